@@ -1,0 +1,9 @@
+"""specjax: speculative decoding for LLMs in JAX/XLA."""
+
+from specjax.api import (GenerateOutput, generate, load_draft, load_model, load_tokenizer, logits)
+from specjax.config import ModelConfig, RopeScaling, SamplingParams, SpecConfig
+from specjax.model import Model
+
+__all__ = ["GenerateOutput", "Model", "ModelConfig", "RopeScaling", "SamplingParams", "SpecConfig",
+           "generate", "load_draft", "load_model", "load_tokenizer", "logits"]
+__version__ = "0.1.0"

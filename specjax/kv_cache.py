@@ -1,0 +1,99 @@
+"""Paged KV cache: a pytree of page pools, plus the pure functions that write into it.
+
+One page table serves a target and its draft: both models keep pools with the same number of
+pages P and page size S, and a sequence's page ``page_table[b, i]`` holds its tokens
+``[i*S, (i+1)*S)`` in *both* pools. The page table and per-sequence lengths therefore live
+outside the pools (in the decoding state), and every forward takes them as arguments.
+
+Entries at or beyond a sequence's length are stale (rejected drafts, padding): they are never
+read (attention masks them and zeroes their values) and are simply overwritten later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Per-layer key/value page pools of one model.
+
+    Page index P (one past the end) is the "null page": writes aimed there are dropped.
+    """
+
+    k: tuple  # L x [Hkv, P, S, D]
+    v: tuple  # L x [Hkv, P, S, D]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[2]
+
+
+def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> KVCache:
+    """Allocates zeroed pools: num_pages pages of page_size tokens for every layer."""
+    if num_pages < 1 or page_size < 1:
+        raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
+    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+
+
+def write_layer(k_pages, v_pages, k_new, v_new, page_table, cache_start, valid):
+    """Writes new keys/values of one layer at slots cache_start[b] + t.
+
+    Args:
+      k_pages, v_pages: [Hkv, P, S, D] pools.
+      k_new, v_new: [B, T, Hkv, D] the new tokens' keys/values.
+      page_table: [B, Pmax] int32.
+      cache_start: [B] int32 slot of the first new token.
+      valid: [B, T] bool; False entries (padding) are not written.
+    Returns:
+      the updated (k_pages, v_pages). Donate the cache for an in-place update.
+    """
+    hkv, num_pages, page_size, d = k_pages.shape
+    b, t = valid.shape
+    slots = cache_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    page_idx = slots // page_size
+    valid = valid & (page_idx < page_table.shape[1]) & (slots >= 0)
+    pages = jnp.take_along_axis(page_table, jnp.clip(page_idx, 0, page_table.shape[1] - 1), axis=1)
+    pages = jnp.where(valid, pages, num_pages)  # out of range -> dropped
+    offsets = slots % page_size
+    pages, offsets = pages.reshape(-1), offsets.reshape(-1)  # [B*T]
+    k_rows = k_new.reshape(b * t, hkv, d).transpose(1, 0, 2).astype(k_pages.dtype)  # [Hkv, B*T, D]
+    v_rows = v_new.reshape(b * t, hkv, d).transpose(1, 0, 2).astype(v_pages.dtype)
+    k_pages = k_pages.at[:, pages, offsets].set(k_rows, mode="drop")
+    v_pages = v_pages.at[:, pages, offsets].set(v_rows, mode="drop")
+    return k_pages, v_pages
+
+
+def gather_layer(pages, page_table):
+    """Reads every mapped page of each sequence into cache order.
+
+    Args:
+      pages: [Hkv, P, S, D]; page_table: [B, Pmax].
+    Returns:
+      [B, Hkv, Pmax*S, D] (slots in cache order; callers mask by length).
+    """
+    hkv, _, s, d = pages.shape
+    b, pmax = page_table.shape
+    g = pages[:, page_table]  # [Hkv, B, Pmax, S, D]
+    return g.transpose(1, 0, 2, 3, 4).reshape(b, hkv, pmax * s, d)
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def contiguous_page_table(batch: int, pages_per_seq: int):
+    """A page table giving row b the pages [b*pages_per_seq, (b+1)*pages_per_seq)."""
+    return jnp.arange(batch * pages_per_seq, dtype=jnp.int32).reshape(batch, pages_per_seq)

@@ -1,0 +1,258 @@
+"""The jitted steps: prefill, the fused speculative step, and the on-device decode loop.
+
+Invariant between steps (per row b), with n = lengths[b] committed tokens x_0..x_{n-1}:
+  * the target cache holds valid K/V for x_0..x_{n-2}; x_{n-1} = last_token[b] is pending;
+  * the draft cache (method "draft") holds valid K/V for x_0..x_{n-1}, and draft_logits[b]
+    are its carried logits for position n (the next draft token);
+  * slots at or beyond those counts are stale and never read.
+
+One speculative step (method "draft", k = num_draft_tokens), all on device:
+  1. draft rollout: d_1 from the carried logits, d_2..d_k from k-1 one-token draft forwards;
+  2. verify: one target forward over [x_{n-1}, d_1..d_k] at positions n-1..n+k-1;
+  3. acceptance (specjax.acceptance.accept_chain): a accepted drafts and the residual/bonus y;
+  4. draft catch-up: one two-token draft forward over [x_{n+a-1}, y] whose last logits are
+     carried into the next step (it also writes d_k's K/V when every draft was accepted);
+  5. n += a + 1, last_token = y; tokens go into the output buffer, stopping at EOS/max_new.
+Method "none" is the same loop with a one-token target forward and ordinary sampling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from specjax import acceptance, kv_cache, sampling
+from specjax.model import forward
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """Static description of a decode loop (a jit static argument)."""
+
+    method: str = "none"  # "none" | "draft"
+    k: int = 4  # draft length (ignored for "none")
+    draft_sampling: bool = False  # sample drafts from q (True) or point-mass argmax (False)
+    attn_impl: str = "reference"
+    page_size: int = 16
+
+    @property
+    def k_eff(self) -> int:
+        return 0 if self.method == "none" else self.k
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything a generation carries between steps (a pytree; the caches are donated)."""
+
+    target_kv: kv_cache.KVCache
+    draft_kv: kv_cache.KVCache | None
+    page_table: jax.Array  # [B, Pmax] int32, shared by target and draft
+    lengths: jax.Array  # [B] int32 committed tokens n (prompt + generated)
+    last_token: jax.Array  # [B] int32 x_{n-1}, not yet in the target cache
+    draft_logits: jax.Array | None  # [B, V] float32 draft logits carried for position n
+    out_tokens: jax.Array  # [B, Nbuf] int32 generated tokens
+    num_out: jax.Array  # [B] int32 valid entries of out_tokens
+    done: jax.Array  # [B] bool
+    step: jax.Array  # [] int32 speculative steps taken
+    row_keys: jax.Array  # [B] typed PRNG keys, one stream per row
+    accepted_per_pos: jax.Array  # [K] int32 active row-steps whose draft i was accepted
+    row_steps: jax.Array  # [] int32 active row-steps (target verify passes per row)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowParams:
+    """Per-row request parameters (traced, so one compile serves every request mix)."""
+
+    temperature: jax.Array  # [B] float32
+    top_k: jax.Array  # [B] int32
+    top_p: jax.Array  # [B] float32
+    max_new: jax.Array  # [B] int32
+    eos_ids: jax.Array  # [NE] int32 stop tokens (-1 = unused slot)
+
+
+def _process(logits, rp: RowParams):
+    return sampling.process_logits(logits, rp.temperature, rp.top_k, rp.top_p)
+
+
+def _is_eos(tokens, eos_ids):
+    return jnp.any(tokens[..., None] == eos_ids, axis=-1)
+
+
+def _step_keys(row_keys, step, salt):
+    return jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(k, step), salt))(row_keys)
+
+
+def _emit(state: DecodeState, emitted, count_raw, rp: RowParams):
+    """Appends emitted[:, :count_raw] per active row, truncated at EOS and max_new."""
+    b, width = emitted.shape
+    idx = jnp.arange(width, dtype=jnp.int32)[None, :]
+    eos = _is_eos(emitted, rp.eos_ids) & (idx < count_raw[:, None])
+    first_eos = jnp.where(jnp.any(eos, axis=1), jnp.argmax(eos, axis=1), width)
+    count = jnp.minimum(jnp.minimum(count_raw, first_eos + 1), rp.max_new - state.num_out)
+    count = jnp.where(state.done, 0, count)
+    out = jax.vmap(lambda o, e, s: lax.dynamic_update_slice(o, e, (s,)))(
+        state.out_tokens, emitted, state.num_out)
+    num_out = state.num_out + count
+    done = state.done | (first_eos < count_raw) | (num_out >= rp.max_new)
+    return out, num_out, done
+
+
+def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_lens, rp: RowParams,
+            seed, lc: LoopConfig, num_pages_per_seq: int, out_len: int, kv_dtype=jnp.float32):
+    """Fills both caches over the prompts and samples the first token.
+
+    Args:
+      tokens: [B, Tp] int32 right-padded prompts; prompt_lens: [B] int32 (>= 1).
+      seed: [] int32; row b's stream is fold_in(key(seed), b).
+    Returns:
+      the initial DecodeState (the first generated token is already in out_tokens).
+    """
+    b, tp = tokens.shape
+    page_table = kv_cache.contiguous_page_table(b, num_pages_per_seq)
+    num_pages = b * num_pages_per_seq
+    row_keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(jnp.arange(b))
+    zeros = jnp.zeros((b,), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (b, tp))
+
+    target_kv = kv_cache.init_cache(target_cfg, num_pages, lc.page_size, kv_dtype)
+    _, hidden, target_kv = forward(target_params, target_cfg, tokens, positions, target_kv,
+                                   page_table, zeros, prompt_lens, attn_impl=lc.attn_impl,
+                                   return_logits=False)
+    last_h = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]  # [B, E]
+    from specjax.model import lm_head  # noqa: PLC0415
+    logits = lm_head(target_params, target_cfg, last_h)  # [B, V]
+    first = sampling.sample(_step_keys(row_keys, 0, 0), _process(logits, rp))  # [B]
+
+    draft_kv = draft_logits = None
+    if lc.method == "draft":
+        # The draft sees the prompt plus the first token; its last logits are carried, not sampled.
+        ext = jnp.concatenate([tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
+        ext = jax.vmap(lambda row, i, t: row.at[i].set(t))(ext, prompt_lens, first)
+        ext_pos = jnp.broadcast_to(jnp.arange(tp + 1, dtype=jnp.int32), (b, tp + 1))
+        draft_kv = kv_cache.init_cache(draft_cfg, num_pages, lc.page_size, kv_dtype)
+        _, dh, draft_kv = forward(draft_params, draft_cfg, ext, ext_pos, draft_kv, page_table, zeros,
+                                  prompt_lens + 1, attn_impl=lc.attn_impl, return_logits=False)
+        dh_last = jnp.take_along_axis(dh, prompt_lens[:, None, None], axis=1)[:, 0]
+        draft_logits = lm_head(draft_params, draft_cfg, dh_last)
+
+    state = DecodeState(
+        target_kv=target_kv, draft_kv=draft_kv, page_table=page_table, lengths=prompt_lens + 1,
+        last_token=first, draft_logits=draft_logits,
+        out_tokens=jnp.zeros((b, out_len), jnp.int32), num_out=zeros, done=jnp.zeros((b,), bool),
+        step=jnp.ones((), jnp.int32), row_keys=row_keys,
+        accepted_per_pos=jnp.zeros((max(lc.k_eff, 1),), jnp.int32), row_steps=jnp.zeros((), jnp.int32))
+    out, num_out, done = _emit(state, first[:, None], jnp.ones((b,), jnp.int32), rp)
+    return dataclasses.replace(state, out_tokens=out, num_out=num_out, done=done)
+
+
+def _draft_rollout(draft_params, draft_cfg, state: DecodeState, rp: RowParams, lc: LoopConfig):
+    """k draft tokens from the carried logits and k-1 one-token draft forwards.
+
+    Returns (draft_kv, tokens [B, K], probs [B, K, V] or None).
+    """
+    n = state.lengths
+    keys = _step_keys(state.row_keys, state.step, 1)
+
+    def pick(logits, i):
+        if not lc.draft_sampling:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        q = _process(logits, rp)
+        ki = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)
+        return sampling.sample(ki, q), q
+
+    def body(carry, i):
+        kv, logits = carry
+        d, q = pick(logits, i)
+        pos = (n + i)[:, None]
+        new_logits, _, kv = forward(draft_params, draft_cfg, d[:, None], pos, kv, state.page_table,
+                                    n + i, attn_impl=lc.attn_impl)
+        return (kv, new_logits[:, 0]), (d, q)
+
+    (kv, last_logits), (ds, qs) = lax.scan(body, (state.draft_kv, state.draft_logits),
+                                           jnp.arange(lc.k - 1, dtype=jnp.int32))
+    d_k, q_k = pick(last_logits, lc.k - 1)
+    tokens = jnp.concatenate([ds.T, d_k[:, None]], axis=1)  # [B, K]
+    probs = None
+    if lc.draft_sampling:
+        probs = jnp.concatenate([qs.transpose(1, 0, 2), q_k[:, None]], axis=1)  # [B, K, V]
+    return kv, tokens, probs
+
+
+def spec_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
+              rp: RowParams, lc: LoopConfig) -> DecodeState:
+    """One fused speculative (or plain) decoding step for the whole batch."""
+    b = state.lengths.shape[0]
+    n = state.lengths
+    k = lc.k_eff
+    active = ~state.done
+    acc_keys = _step_keys(state.row_keys, state.step, 2)
+
+    if k == 0:  # plain decoding through the same machinery
+        logits, _, target_kv = forward(target_params, target_cfg, state.last_token[:, None],
+                                       (n - 1)[:, None], state.target_kv, state.page_table, n - 1,
+                                       attn_impl=lc.attn_impl)
+        y = sampling.sample(acc_keys, _process(logits[:, 0], rp))
+        a = jnp.zeros((b,), jnp.int32)
+        emitted = y[:, None]
+        draft_kv, draft_logits = state.draft_kv, state.draft_logits
+    else:
+        draft_kv, d, q = _draft_rollout(draft_params, draft_cfg, state, rp, lc)
+        verify_tokens = jnp.concatenate([state.last_token[:, None], d], axis=1)  # [B, K+1]
+        positions = (n - 1)[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+        logits, _, target_kv = forward(target_params, target_cfg, verify_tokens, positions,
+                                       state.target_kv, state.page_table, n - 1,
+                                       attn_impl=lc.attn_impl)
+        p = _process(logits, rp)  # [B, K+1, V]
+        a, y = acceptance.accept_chain(acc_keys, d, p, q)
+        # Draft catch-up over [x_{n+a-1}, y]: writes y (and d_k if all were accepted).
+        prev = jnp.take_along_axis(verify_tokens, a[:, None], axis=1)[:, 0]
+        cu_tokens = jnp.stack([prev, y], axis=1)
+        cu_pos = (n + a - 1)[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
+        cu_logits, _, draft_kv = forward(draft_params, draft_cfg, cu_tokens, cu_pos, draft_kv,
+                                         state.page_table, n + a - 1, attn_impl=lc.attn_impl)
+        draft_logits = jnp.where(active[:, None], cu_logits[:, 1], state.draft_logits)
+        idx = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+        emitted = jnp.where(idx == a[:, None], y[:, None], jnp.pad(d, ((0, 0), (0, 1))))
+
+    out, num_out, done = _emit(state, emitted, a + 1, rp)
+    accepted = jnp.sum((jnp.arange(max(k, 1))[None, :] < a[:, None]) & active[:, None], axis=0)
+    return dataclasses.replace(
+        state, target_kv=target_kv, draft_kv=draft_kv,
+        lengths=jnp.where(active, n + a + 1, n),
+        last_token=jnp.where(active, y, state.last_token),
+        draft_logits=draft_logits, out_tokens=out, num_out=num_out, done=done,
+        step=state.step + 1,
+        accepted_per_pos=state.accepted_per_pos + accepted.astype(jnp.int32),
+        row_steps=state.row_steps + jnp.sum(active, dtype=jnp.int32))
+
+
+def decode_loop(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
+                rp: RowParams, lc: LoopConfig) -> DecodeState:
+    """Runs spec_step under lax.while_loop until every row is done: no host sync inside."""
+    max_steps = state.out_tokens.shape[1] + 1
+
+    def cond(s):
+        return jnp.any(~s.done) & (s.step <= max_steps)
+
+    def body(s):
+        return spec_step(target_params, target_cfg, draft_params, draft_cfg, s, rp, lc)
+
+    return lax.while_loop(cond, body, state)
+
+
+def _generate_device(target_params, draft_params, tokens, prompt_lens, rp, seed, *, target_cfg,
+                     draft_cfg, lc, num_pages_per_seq, out_len):
+    state = prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_lens, rp, seed,
+                    lc, num_pages_per_seq, out_len, kv_dtype=target_params["embed"].dtype)
+    state = decode_loop(target_params, target_cfg, draft_params, draft_cfg, state, rp, lc)
+    return state.out_tokens, state.num_out, state.accepted_per_pos, state.row_steps, state.step
+
+
+generate_device = jax.jit(
+    _generate_device,
+    static_argnames=("target_cfg", "draft_cfg", "lc", "num_pages_per_seq", "out_len"))
