@@ -102,14 +102,15 @@ def _check_tokens(ids: Sequence[int], vocab: int, what: str) -> list[int]:
 
 
 @jax.jit
-def _logits_jit(model: Model, tokens):
-    t = tokens.shape[1]
+def _logits_jit(model: Model, tokens, length):
+    t = tokens.shape[1]  # padded to a bucket; rows beyond `length` are padding
     page = 16
     ppseq = kv_cache.pages_needed(t, page)
     kv = kv_cache.init_cache(model.config, ppseq, page, model.dtype)
     pos = jnp.arange(t, dtype=jnp.int32)[None, :]
     logits, _, _ = forward(model.params, model.config, tokens, pos, kv,
-                           kv_cache.contiguous_page_table(1, ppseq), jnp.zeros((1,), jnp.int32))
+                           kv_cache.contiguous_page_table(1, ppseq), jnp.zeros((1,), jnp.int32),
+                           length[None])
     return logits[0]
 
 
@@ -119,7 +120,10 @@ def logits(model: Model, token_ids: Sequence[int]) -> np.ndarray:
     if len(ids) > model.config.max_position_embeddings:
         raise ValueError(f"token_ids has {len(ids)} tokens, more than the model's max length "
                          f"{model.config.max_position_embeddings}")
-    return np.asarray(_logits_jit(model, jnp.asarray([ids], jnp.int32)))
+    padded = np.zeros((1, _bucket(len(ids))), np.int32)
+    padded[0, :len(ids)] = ids
+    out = _logits_jit(model, jnp.asarray(padded), jnp.asarray(len(ids), jnp.int32))
+    return np.asarray(out[:len(ids)])
 
 
 @dataclasses.dataclass

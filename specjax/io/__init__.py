@@ -1,0 +1,23 @@
+"""Model file readers (GGUF)."""
+
+from specjax.io.gguf import (
+    SMOLLM2_GGUF_NAME,
+    config_from_metadata,
+    gguf_metadata,
+    load_gguf,
+    open_gguf,
+    permute_rope_rows,
+    smollm2_gguf_path,
+    unpermute_rope_rows,
+)
+
+__all__ = [
+    "SMOLLM2_GGUF_NAME",
+    "config_from_metadata",
+    "gguf_metadata",
+    "load_gguf",
+    "open_gguf",
+    "permute_rope_rows",
+    "smollm2_gguf_path",
+    "unpermute_rope_rows",
+]

@@ -1,0 +1,1 @@
+"""Corpora, hidden-state collection, head training and validation."""

@@ -1,0 +1,27 @@
+"""Shared fixtures: tiny models built in the test (no hub), float32 on CPU."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from specjax.config import ModelConfig  # noqa: E402
+from specjax.model import Model, init_params  # noqa: E402
+
+
+def tiny_model(seed=0, vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, scale=0.3,
+               eos=None, **kw) -> Model:
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=512, eos_token_id=eos, **kw)
+    return Model(init_params(cfg, jax.random.key(seed), scale=scale), cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+    """A tiny target and a smaller draft sharing its vocabulary (greedy outputs not constant)."""
+    target = tiny_model(0)
+    draft = tiny_model(1, hidden=16, layers=1, heads=2, kv_heads=1)
+    return target, draft
