@@ -1,9 +1,10 @@
 """specjax: speculative decoding for LLMs in JAX/XLA."""
 
-from specjax.api import (GenerateOutput, generate, load_draft, load_model, load_tokenizer, logits)
+from specjax.api import (GenerateOutput, early_exit_draft, generate, load_draft, load_model,
+                         load_tokenizer, logits)
 from specjax.config import ModelConfig, RopeScaling, SamplingParams, SpecConfig
 from specjax.model import Model
 
 __all__ = ["GenerateOutput", "Model", "ModelConfig", "RopeScaling", "SamplingParams", "SpecConfig",
-           "generate", "load_draft", "load_model", "load_tokenizer", "logits"]
+           "early_exit_draft", "generate", "load_draft", "load_model", "load_tokenizer", "logits"]
 __version__ = "0.1.0"

@@ -75,6 +75,21 @@ def load_draft(path, target: Model, dtype=None) -> Model:
     return draft
 
 
+def early_exit_draft(target: Model, num_layers: int) -> Model:
+    """A draft LLM made of the target's first ``num_layers`` layers plus its final norm and lm_head.
+
+    Needs no training (a layer-skip "self-speculative" draft): a baseline draft for any target,
+    sharing its vocabulary and weights (no extra memory beyond its own KV cache).
+    """
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) \
+            or not 1 <= num_layers <= target.config.num_layers:
+        raise ValueError(f"num_layers must be an int in [1, {target.config.num_layers}], "
+                         f"got {num_layers!r}")
+    cfg = dataclasses.replace(target.config, num_layers=num_layers)
+    params = dict(target.params, layers=list(target.params["layers"][:num_layers]))
+    return Model(params=params, config=cfg, source=f"{target.source}[:{num_layers}]")
+
+
 def check_draft(draft, target: Model) -> None:
     if not isinstance(draft, Model):
         raise TypeError(f"draft must be a specjax Model, got {type(draft).__name__}")
@@ -92,7 +107,12 @@ def load_tokenizer(name_or_path: str):
 # ---------------------------------------------------------------------------------- inference
 
 def _check_tokens(ids: Sequence[int], vocab: int, what: str) -> list[int]:
-    ids = [int(t) for t in ids]
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+        raise TypeError(f"{what} must be a list of token ids, got {type(ids).__name__}")
+    try:
+        ids = [int(t) for t in ids]
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what} must contain integer token ids: {e}") from None
     if not ids:
         raise ValueError(f"{what} is empty: a prompt needs at least one token")
     bad = [t for t in ids if not 0 <= t < vocab]
@@ -200,9 +220,9 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
     rows = [_check_tokens(p, cfg.vocab_size, f"prompts[{i}]") for i, p in enumerate(prompts)]
     b = len(rows)
-    temps = _per_row(temperature, b, "temperature", float)
+    temps = _per_row(temperature, b, "temperature", lambda v: v)
     top_ks = _per_row(top_k, b, "top_k", lambda v: v)
-    top_ps = _per_row(top_p, b, "top_p", float)
+    top_ps = _per_row(top_p, b, "top_p", lambda v: v)
     for t_, k_, p_ in zip(temps, top_ks, top_ps):
         validate_sampling(t_, k_, p_)
     longest = max(len(r) for r in rows)

@@ -129,11 +129,14 @@ class SamplingParams:
 
 def validate_sampling(temperature, top_k, top_p) -> None:
     """Raises ValueError naming the argument for an invalid sampling setting."""
-    if not isinstance(temperature, (int, float)) or not temperature >= 0.0:
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+    import numbers  # noqa: PLC0415
+
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
+            or not temperature >= 0.0 or temperature == float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {top_k!r}")
-    if not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not (0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
 
 

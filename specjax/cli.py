@@ -1,0 +1,143 @@
+"""The ``specjax`` command: demo and generate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+DEMO_PROMPTS = (
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain in two sentences why the sky is blue.",
+)
+
+
+def _repo_checkpoints() -> str:
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")
+
+
+def default_draft(target, layers: int = 8):
+    """The best draft we have for SmolLM2: a shipped distilled draft, else an early-exit draft."""
+    import specjax as sj  # noqa: PLC0415
+
+    shipped = os.path.join(_repo_checkpoints(), "smollm2-draft")
+    if os.path.isdir(shipped):
+        return sj.load_draft(shipped, target=target), "checkpoints/smollm2-draft"
+    return sj.early_exit_draft(target, layers), f"early-exit draft (first {layers} layers)"
+
+
+def _load(args):
+    import specjax as sj  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    target = sj.load_model(args.model)
+    tok = sj.load_tokenizer(args.tokenizer or args.model)
+    draft, draft_name = None, None
+    if args.method == "draft":
+        if args.draft:
+            draft, draft_name = sj.load_draft(args.draft, target=target), args.draft
+        else:
+            draft, draft_name = default_draft(target)
+    print(f"loaded {args.model} ({target.config.num_layers} layers) in "
+          f"{time.perf_counter() - t0:.1f}s" + (f"; draft: {draft_name}" if draft_name else ""),
+          file=sys.stderr)
+    return target, tok, draft
+
+
+def _run(target, prompts, draft, args, method):
+    """Compiles once (warm-up), then times a second run."""
+    import specjax as sj  # noqa: PLC0415
+
+    kw = dict(max_new_tokens=args.max_new_tokens, draft=draft, method=method,
+              num_draft_tokens=args.k, temperature=args.temperature, top_k=args.top_k,
+              top_p=args.top_p, seed=args.seed)
+    sj.generate(target, prompts, **kw)
+    return sj.generate(target, prompts, **kw)
+
+
+def cmd_demo(args) -> int:
+    args.method = "draft"
+    target, tok, draft = _load(args)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in DEMO_PROMPTS]
+    print("compiling and running (plain, then speculative)...", file=sys.stderr)
+    plain = _run(target, prompts, None, args, "none")
+    spec = _run(target, prompts, draft, args, "draft")
+    same = plain.tokens == spec.tokens
+    for q, toks in zip(DEMO_PROMPTS, spec.tokens):
+        print(f"\n### {q}\n{tok.decode(toks).strip()}")
+    s, p = spec.stats, plain.stats
+    print("\n--- speculative decoding (draft-target, k=%d, temperature %.2g) ---" % (args.k, args.temperature))
+    print(f"outputs identical to plain decoding: {same}")
+    print(f"acceptance rate            {s['acceptance_rate']:.3f}")
+    print(f"mean accepted length       {s['mean_accepted_length']:.2f} tokens / target step")
+    print("acceptance per position    " + " ".join(f"{x:.2f}" for x in s["per_position_acceptance"]))
+    print(f"plain tokens/s             {p['tokens_per_second']:.1f}")
+    print(f"speculative tokens/s       {s['tokens_per_second']:.1f}")
+    print(f"speedup                    {s['tokens_per_second'] / p['tokens_per_second']:.2f}x")
+    print(f"host syncs per generation  {s['host_syncs']}")
+    if args.json:
+        json.dump({"plain": p, "speculative": s, "identical": same}, open(args.json, "w"), indent=2)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    target, tok, draft = _load(args)
+    texts = list(args.prompt or [])
+    if args.file:
+        with open(args.file) as f:
+            texts += [line.rstrip("\n") for line in f if line.strip()]
+    if not texts:
+        print("specjax generate: give --prompt TEXT or --file FILE", file=sys.stderr)
+        return 2
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) if args.chat
+               else tok.encode(t) for t in texts]
+    out = _run(target, prompts, draft, args, args.method)
+    if args.json:
+        print(json.dumps({"texts": [tok.decode(t) for t in out.tokens], "tokens": out.tokens,
+                          "stats": out.stats}, indent=2))
+    else:
+        for t, toks in zip(texts, out.tokens):
+            print(f"### {t}\n{tok.decode(toks).strip()}\n")
+        print(json.dumps(out.stats), file=sys.stderr)
+    return 0
+
+
+def _common(p):
+    p.add_argument("--model", default="smollm2-135m", help="model name, HF dir, .gguf or checkpoint")
+    p.add_argument("--tokenizer", default=None, help="tokenizer (default: same as --model)")
+    p.add_argument("--draft", default=None, help="draft model path (default: the shipped draft)")
+    p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, nargs="?", const="-", help="JSON output")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding in JAX.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    demo = sub.add_parser("demo", help="SmolLM2 + draft on chat prompts: answers, acceptance, speedup")
+    _common(demo)
+    gen = sub.add_parser("generate", help="generate from prompts (plain or speculative)")
+    _common(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--file", help="a file with one prompt per line")
+    gen.add_argument("--method", choices=["none", "draft"], default="draft")
+    gen.add_argument("--no-chat", dest="chat", action="store_false", help="raw text, no chat template")
+    args = parser.parse_args(argv)
+    if args.cmd == "demo" and args.json == "-":
+        args.json = None
+    try:
+        return {"demo": cmd_demo, "generate": cmd_generate}[args.cmd](args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"specjax {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The public surface: clear errors for bad input, EOS handling, per-row streams."""
+
+import numpy as np
+import pytest
+
+import specjax as sj
+from tests.conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(7)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompts=[[]]), "prompts\\[0\\] is empty"),
+    (dict(prompts=[[1, 2], []]), "prompts\\[1\\] is empty"),
+    (dict(prompts=[]), "non-empty list"),
+    (dict(prompts=[[1, 64]]), "outside the vocabulary \\[0, 64\\)"),
+    (dict(prompts=[[-1]]), "outside the vocabulary"),
+    (dict(prompts=[[1] * 500], max_new_tokens=20), "max length 512"),
+    (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
+    (dict(max_new_tokens=-3), "max_new_tokens"),
+    (dict(max_new_tokens=2.5), "max_new_tokens"),
+    (dict(temperature=-0.1), "temperature must be"),
+    (dict(temperature=float("nan")), "temperature must be"),
+    (dict(temperature=[0.5, -1.0]), "temperature must be"),
+    (dict(temperature=[0.5]), "temperature has 1 entries for 2 prompts"),
+    (dict(top_p=0.0), "top_p must be in \\(0, 1\\]"),
+    (dict(top_p=1.5), "top_p must be in"),
+    (dict(top_k=-1), "top_k must be an int >= 0"),
+    (dict(top_k=1.5), "top_k must be an int"),
+    (dict(method="magic"), "method must be one of"),
+    (dict(method="draft"), "needs a draft model"),
+    (dict(method="draft", draft="x"), "draft must be a specjax Model"),
+    (dict(num_draft_tokens=0, method="draft"), "num_draft_tokens must be an int in \\[1, 64\\]"),
+    (dict(page_size=0), "page_size"),
+])
+def test_bad_input_is_a_clear_error(model, kwargs, match):
+    args = dict(prompts=[[1, 2, 3], [4]], max_new_tokens=4)
+    args.update(kwargs)
+    with pytest.raises((ValueError, TypeError), match=match):
+        sj.generate(model, **args)
+
+
+def test_draft_vocab_mismatch(model):
+    other = tiny_model(8, vocab=65)
+    with pytest.raises(ValueError, match="vocab_size 65 != target vocab_size 64"):
+        sj.generate(model, [[1]], draft=other, method="draft")
+
+
+def test_string_prompt_needs_tokenizer(model):
+    with pytest.raises(ValueError, match="tokenizer"):
+        sj.generate(model, ["hello"])
+
+
+def test_logits_errors(model):
+    with pytest.raises(ValueError, match="empty"):
+        sj.logits(model, [])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        sj.logits(model, [3, 99])
+    with pytest.raises(TypeError, match="token_ids"):
+        sj.logits(model, "abc")
+
+
+def test_stops_at_eos_inclusive_and_max_new(model):
+    free = sj.generate(model, [[1, 2, 3]], max_new_tokens=30, eos_token_id=[]).tokens[0]
+    eos = free[5]
+    stop = free.index(eos)
+    out = sj.generate(model, [[1, 2, 3]], max_new_tokens=30, eos_token_id=eos).tokens[0]
+    assert out == free[: stop + 1]
+    assert sj.generate(model, [[1, 2, 3]], max_new_tokens=7, eos_token_id=[]).tokens[0] == free[:7]
+    multi = sj.generate(model, [[1, 2, 3]], max_new_tokens=30, eos_token_id=[free[9], eos]).tokens[0]
+    assert multi == free[: min(stop, free.index(free[9])) + 1]
+
+
+def test_sampled_rows_independent_and_seeded(model):
+    outs = sj.generate(model, [[1, 2, 3]] * 16, max_new_tokens=8, temperature=1.0, seed=3,
+                       eos_token_id=[]).tokens
+    assert len({tuple(o) for o in outs}) > 8
+    again = sj.generate(model, [[1, 2, 3]] * 16, max_new_tokens=8, temperature=1.0, seed=3,
+                        eos_token_id=[]).tokens
+    assert outs == again
+    other = sj.generate(model, [[1, 2, 3]] * 16, max_new_tokens=8, temperature=1.0, seed=4,
+                        eos_token_id=[]).tokens
+    assert other != outs
+    # row i's stream depends on (seed, i) only, not on the rest of the batch
+    alone = sj.generate(model, [[1, 2, 3]], max_new_tokens=8, temperature=1.0, seed=3,
+                        eos_token_id=[]).tokens
+    assert alone[0] == outs[0]
+
+
+def test_top_k_one_is_greedy(model):
+    greedy = sj.generate(model, [[5, 6]] * 4, max_new_tokens=10, eos_token_id=[]).tokens
+    topk1 = sj.generate(model, [[5, 6]] * 4, max_new_tokens=10, temperature=1.3, top_k=1,
+                        eos_token_id=[]).tokens
+    assert topk1 == greedy
+
+
+def test_numpy_scalars_accepted(model):
+    out = sj.generate(model, [np.array([1, 2, 3])], max_new_tokens=np.int64(3),
+                      temperature=np.float32(0.5), top_k=np.int64(5), eos_token_id=[])
+    assert len(out.tokens[0]) == 3
