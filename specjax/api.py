@@ -90,7 +90,21 @@ def early_exit_draft(target: Model, num_layers: int) -> Model:
     return Model(params=params, config=cfg, source=f"{target.source}[:{num_layers}]")
 
 
-def check_draft(draft, target: Model) -> None:
+def check_draft(draft, target: Model, method: str = "draft") -> None:
+    """Raises a clear error when ``draft`` cannot draft for ``target`` with ``method``."""
+    from specjax.heads import Head  # noqa: PLC0415
+
+    if method in ("mtp", "eagle"):
+        if not isinstance(draft, Head):
+            raise TypeError(f'method="{method}" needs a draft head (specjax.heads.Head), got '
+                            f"{type(draft).__name__}")
+        if draft.config.kind != method:
+            raise ValueError(f'method="{method}" got a {draft.config.kind!r} head')
+        lc, tc = draft.config.layer, target.config
+        if (lc.hidden_size, lc.vocab_size) != (tc.hidden_size, tc.vocab_size):
+            raise ValueError(f"head (hidden {lc.hidden_size}, vocab {lc.vocab_size}) does not fit the "
+                             f"target (hidden {tc.hidden_size}, vocab {tc.vocab_size})")
+        return
     if not isinstance(draft, Model):
         raise TypeError(f"draft must be a specjax Model, got {type(draft).__name__}")
     if draft.config.vocab_size != target.config.vocab_size:
@@ -183,8 +197,9 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
       prompts: list[list[int]] token ids, or list[str] (encoded with ``tokenizer`` or the
         target's own tokenizer for built-in models).
       max_new_tokens: >= 1 tokens to generate per prompt (fewer if EOS comes first).
-      draft: the draft Model for method "draft".
-      method: "none" (plain decoding, the baseline) or "draft".
+      draft: the draft Model for method "draft"; a specjax.heads.Head for "mtp" / "eagle".
+      method: "none" (plain decoding, the baseline), "draft" (a separate draft LLM), "mtp" or
+        "eagle" (a head fed by the target's hidden states).
       num_draft_tokens: k, the draft length (1..64).
       temperature, top_k, top_p: sampling settings, scalars or one per prompt. temperature 0 is
         greedy; top_k 0 and top_p 1.0 disable those filters.
@@ -199,12 +214,12 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
     """
     cfg = target.config
     spec = SpecConfig(method=method, num_draft_tokens=num_draft_tokens, draft_sampling=draft_sampling)
-    if method not in ("none", "draft"):
-        raise NotImplementedError(f"method {method!r} is not implemented yet")
-    if method == "draft":
+    if method == "eagle-tree":
+        raise NotImplementedError('method "eagle-tree" is not implemented yet')
+    if method != "none":
         if draft is None:
-            raise ValueError('method="draft" needs a draft model (draft=...)')
-        check_draft(draft, target)
+            raise ValueError(f'method="{method}" needs a draft (draft=...)')
+        check_draft(draft, target, method)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
             or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")

@@ -45,7 +45,10 @@ class Model:
 # ----------------------------------------------------------------------------- building blocks
 
 def rms_norm(x, weight, eps):
-    """RMSNorm computed in float32, cast back to x's dtype. x: [..., E], weight: [E]."""
+    """RMSNorm computed in float32, cast back to x's dtype. x: [..., E], weight: [E] or None
+    (None = identity: EAGLE-1's head block has no input norm)."""
+    if weight is None:
+        return x
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (xf * weight.astype(jnp.float32)).astype(x.dtype)

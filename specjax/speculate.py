@@ -14,6 +14,16 @@ One speculative step (method "draft", k = num_draft_tokens), all on device:
      carried into the next step (it also writes d_k's K/V when every draft was accepted);
   5. n += a + 1, last_token = y; tokens go into the output buffer, stopping at EOS/max_new.
 Method "none" is the same loop with a one-token target forward and ordinary sampling.
+
+Methods "mtp" and "eagle" draft with a head fed by target features (specjax.heads). Head
+position j consumes (x_{j+1}, f_j) and predicts x_{j+2}; its cache holds positions j <= n-2
+(as many entries as the target's), draft_logits come from position n-2 and predict x_n, and
+head_hidden is the head's own output there. Rollout: d_1 from the carried logits, then d_i from
+the head at position n-2+i-1 fed its *own* previous output (k-1 one-token head runs). After
+verification the device shifts the verify tokens one left, inserts y at index a, and re-runs the
+head over all k+1 positions j = n-1..n+k-1 with the *target's* features (the one-token MTP
+schedule: no host sync; work on rejected positions is wasted but keeps shapes static). That
+re-run rewrites the head's K/V with the accurate features and gives the next carried logits.
 """
 
 from __future__ import annotations
@@ -24,15 +34,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax import acceptance, kv_cache, sampling
-from specjax.model import forward
+from specjax import acceptance, heads, kv_cache, sampling
+from specjax.model import forward, lm_head
 
 
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
     """Static description of a decode loop (a jit static argument)."""
 
-    method: str = "none"  # "none" | "draft"
+    method: str = "none"  # "none" | "draft" | "mtp" | "eagle"
     k: int = 4  # draft length (ignored for "none")
     draft_sampling: bool = False  # sample drafts from q (True) or point-mass argmax (False)
     attn_impl: str = "reference"
@@ -41,6 +51,10 @@ class LoopConfig:
     @property
     def k_eff(self) -> int:
         return 0 if self.method == "none" else self.k
+
+    @property
+    def uses_head(self) -> bool:
+        return self.method in ("mtp", "eagle")
 
 
 @jax.tree_util.register_dataclass
@@ -54,6 +68,7 @@ class DecodeState:
     lengths: jax.Array  # [B] int32 committed tokens n (prompt + generated)
     last_token: jax.Array  # [B] int32 x_{n-1}, not yet in the target cache
     draft_logits: jax.Array | None  # [B, V] float32 draft logits carried for position n
+    head_hidden: jax.Array | None  # [B, E] head output h' at position n-2 (MTP/EAGLE heads)
     out_tokens: jax.Array  # [B, Nbuf] int32 generated tokens
     num_out: jax.Array  # [B] int32 valid entries of out_tokens
     done: jax.Array  # [B] bool
@@ -124,12 +139,23 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
                                    page_table, zeros, prompt_lens, attn_impl=lc.attn_impl,
                                    return_logits=False)
     last_h = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]  # [B, E]
-    from specjax.model import lm_head  # noqa: PLC0415
     logits = lm_head(target_params, target_cfg, last_h)  # [B, V]
     first = sampling.sample(_step_keys(row_keys, 0, 0), _process(logits, rp))  # [B]
 
-    draft_kv = draft_logits = None
-    if lc.method == "draft":
+    draft_kv = draft_logits = head_hidden = None
+    if lc.uses_head:
+        # Head position j sees (x_{j+1}, f_j): the prompt shifted left with the first token at m-1.
+        shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
+        shifted = jax.vmap(lambda row, i, t: row.at[i].set(t))(shifted, prompt_lens - 1, first)
+        draft_kv = kv_cache.init_cache(draft_cfg.layer, num_pages, lc.page_size, kv_dtype)
+        feats = heads.head_features(target_params, target_cfg, hidden, draft_cfg)
+        hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg, shifted,
+                                          feats, positions, draft_kv, page_table, zeros, prompt_lens,
+                                          attn_impl=lc.attn_impl)
+        head_hidden = jnp.take_along_axis(hh, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+        draft_logits = heads.head_logits(draft_params, draft_cfg, target_params, target_cfg,
+                                         head_hidden)
+    elif lc.method == "draft":
         # The draft sees the prompt plus the first token; its last logits are carried, not sampled.
         ext = jnp.concatenate([tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
         ext = jax.vmap(lambda row, i, t: row.at[i].set(t))(ext, prompt_lens, first)
@@ -142,7 +168,7 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
 
     state = DecodeState(
         target_kv=target_kv, draft_kv=draft_kv, page_table=page_table, lengths=prompt_lens + 1,
-        last_token=first, draft_logits=draft_logits,
+        last_token=first, draft_logits=draft_logits, head_hidden=head_hidden,
         out_tokens=jnp.zeros((b, out_len), jnp.int32), num_out=zeros, done=jnp.zeros((b,), bool),
         step=jnp.ones((), jnp.int32), row_keys=row_keys,
         accepted_per_pos=jnp.zeros((max(lc.k_eff, 1),), jnp.int32), row_steps=jnp.zeros((), jnp.int32))
@@ -150,8 +176,9 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
     return dataclasses.replace(state, out_tokens=out, num_out=num_out, done=done)
 
 
-def _draft_rollout(draft_params, draft_cfg, state: DecodeState, rp: RowParams, lc: LoopConfig):
-    """k draft tokens from the carried logits and k-1 one-token draft forwards.
+def _draft_rollout(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
+                   rp: RowParams, lc: LoopConfig):
+    """k draft tokens from the carried logits and k-1 one-token draft (or head) forwards.
 
     Returns (draft_kv, tokens [B, K], probs [B, K, V] or None).
     """
@@ -166,15 +193,25 @@ def _draft_rollout(draft_params, draft_cfg, state: DecodeState, rp: RowParams, l
         return sampling.sample(ki, q), q
 
     def body(carry, i):
-        kv, logits = carry
+        kv, logits, feat = carry
         d, q = pick(logits, i)
-        pos = (n + i)[:, None]
-        new_logits, _, kv = forward(draft_params, draft_cfg, d[:, None], pos, kv, state.page_table,
-                                    n + i, attn_impl=lc.attn_impl)
-        return (kv, new_logits[:, 0]), (d, q)
+        if lc.uses_head:  # head position n-2+i+1 fed its own previous output
+            pos = n - 1 + i
+            hh, kv = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg,
+                                        d[:, None], feat[:, None], pos[:, None], kv,
+                                        state.page_table, pos, attn_impl=lc.attn_impl)
+            feat = hh[:, 0]
+            new_logits = heads.head_logits(draft_params, draft_cfg, target_params, target_cfg, feat)
+        else:
+            pos = n + i
+            new_logits, _, kv = forward(draft_params, draft_cfg, d[:, None], pos[:, None], kv,
+                                        state.page_table, pos, attn_impl=lc.attn_impl)
+            new_logits = new_logits[:, 0]
+        return (kv, new_logits, feat), (d, q)
 
-    (kv, last_logits), (ds, qs) = lax.scan(body, (state.draft_kv, state.draft_logits),
-                                           jnp.arange(lc.k - 1, dtype=jnp.int32))
+    feat0 = state.head_hidden if lc.uses_head else jnp.zeros((n.shape[0], 1), jnp.float32)
+    (kv, last_logits, _), (ds, qs) = lax.scan(body, (state.draft_kv, state.draft_logits, feat0),
+                                              jnp.arange(lc.k - 1, dtype=jnp.int32))
     d_k, q_k = pick(last_logits, lc.k - 1)
     tokens = jnp.concatenate([ds.T, d_k[:, None]], axis=1)  # [B, K]
     probs = None
@@ -199,25 +236,39 @@ def spec_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeS
         y = sampling.sample(acc_keys, _process(logits[:, 0], rp))
         a = jnp.zeros((b,), jnp.int32)
         emitted = y[:, None]
-        draft_kv, draft_logits = state.draft_kv, state.draft_logits
+        draft_kv, draft_logits, head_hidden = state.draft_kv, state.draft_logits, state.head_hidden
     else:
-        draft_kv, d, q = _draft_rollout(draft_params, draft_cfg, state, rp, lc)
+        draft_kv, d, q = _draft_rollout(target_params, target_cfg, draft_params, draft_cfg, state,
+                                        rp, lc)
         verify_tokens = jnp.concatenate([state.last_token[:, None], d], axis=1)  # [B, K+1]
         positions = (n - 1)[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-        logits, _, target_kv = forward(target_params, target_cfg, verify_tokens, positions,
-                                       state.target_kv, state.page_table, n - 1,
-                                       attn_impl=lc.attn_impl)
+        logits, hidden, target_kv = forward(target_params, target_cfg, verify_tokens, positions,
+                                            state.target_kv, state.page_table, n - 1,
+                                            attn_impl=lc.attn_impl)
         p = _process(logits, rp)  # [B, K+1, V]
         a, y = acceptance.accept_chain(acc_keys, d, p, q)
-        # Draft catch-up over [x_{n+a-1}, y]: writes y (and d_k if all were accepted).
-        prev = jnp.take_along_axis(verify_tokens, a[:, None], axis=1)[:, 0]
-        cu_tokens = jnp.stack([prev, y], axis=1)
-        cu_pos = (n + a - 1)[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
-        cu_logits, _, draft_kv = forward(draft_params, draft_cfg, cu_tokens, cu_pos, draft_kv,
-                                         state.page_table, n + a - 1, attn_impl=lc.attn_impl)
-        draft_logits = jnp.where(active[:, None], cu_logits[:, 1], state.draft_logits)
         idx = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-        emitted = jnp.where(idx == a[:, None], y[:, None], jnp.pad(d, ((0, 0), (0, 1))))
+        emitted = jnp.where(idx == a[:, None], y[:, None], jnp.pad(d, ((0, 0), (0, 1))))  # [B, K+1]
+        head_hidden = state.head_hidden
+        if lc.uses_head:
+            # Shifted verify tokens with y inserted at a, re-run over all k+1 positions with the
+            # target's features (static shapes; positions past a are stale and overwritten later).
+            feats = heads.head_features(target_params, target_cfg, hidden, draft_cfg)
+            hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg,
+                                              emitted, feats, positions, draft_kv, state.page_table,
+                                              n - 1, a + 1, attn_impl=lc.attn_impl)
+            h_a = jnp.take_along_axis(hh, a[:, None, None], axis=1)[:, 0]  # [B, E]
+            new_logits = heads.head_logits(draft_params, draft_cfg, target_params, target_cfg, h_a)
+            head_hidden = jnp.where(active[:, None], h_a, state.head_hidden)
+        else:
+            # Draft catch-up over [x_{n+a-1}, y]: writes y (and d_k if all were accepted).
+            prev = jnp.take_along_axis(verify_tokens, a[:, None], axis=1)[:, 0]
+            cu_tokens = jnp.stack([prev, y], axis=1)
+            cu_pos = (n + a - 1)[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
+            cu_logits, _, draft_kv = forward(draft_params, draft_cfg, cu_tokens, cu_pos, draft_kv,
+                                             state.page_table, n + a - 1, attn_impl=lc.attn_impl)
+            new_logits = cu_logits[:, 1]
+        draft_logits = jnp.where(active[:, None], new_logits, state.draft_logits)
 
     out, num_out, done = _emit(state, emitted, a + 1, rp)
     accepted = jnp.sum((jnp.arange(max(k, 1))[None, :] < a[:, None]) & active[:, None], axis=0)
@@ -225,7 +276,7 @@ def spec_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeS
         state, target_kv=target_kv, draft_kv=draft_kv,
         lengths=jnp.where(active, n + a + 1, n),
         last_token=jnp.where(active, y, state.last_token),
-        draft_logits=draft_logits, out_tokens=out, num_out=num_out, done=done,
+        draft_logits=draft_logits, head_hidden=head_hidden, out_tokens=out, num_out=num_out, done=done,
         step=state.step + 1,
         accepted_per_pos=state.accepted_per_pos + accepted.astype(jnp.int32),
         row_steps=state.row_steps + jnp.sum(active, dtype=jnp.int32))

@@ -1,0 +1,139 @@
+"""Draft heads fed by the target's hidden states: DeepSeek-V3-style MTP and EAGLE-1.
+
+One implementation, norms switchable (``HeadConfig.norms``)::
+
+    x_i  = eh_proj(concat(enorm(embed(t_{i+1})), hnorm(f_i)))      # f_i: target feature at i
+    h'_i = decoder_layer(x_i)                                      # one Llama block, own KV cache
+    logits_i = lm_head(final_norm(h'_i))                           # shared, frozen lm_head
+
+* MTP (``norms=True``, DeepSeek-V3 names ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``):
+  features are the target's pre-norm final hidden states; the block keeps its input RMSNorm.
+* EAGLE-1 (``norms=False``): ``fc(concat(embed, f))`` with a bias, no enorm/hnorm, no input
+  RMSNorm in the block and no norm before the lm_head; features are the target's *post-norm*
+  hidden states (what EAGLE's reference implementation feeds), i.e. the target's final norm is
+  applied to them. The seed found that restoring the norms makes training converge on large
+  targets; we keep both to reproduce that ablation.
+
+The embedding and lm_head are the target's (frozen, not stored in the head's params). Head
+position i consumes token t_{i+1} with feature f_i and predicts t_{i+2}: its input-token buffer is
+the target's shifted one step left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax import kv_cache
+from specjax.config import ModelConfig
+from specjax.model import decoder_layer, embed, init_params, lm_head, rms_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadConfig:
+    """A draft head attached to a target (static)."""
+
+    kind: str  # "mtp" | "eagle"
+    layer: ModelConfig  # the head's decoder block (num_layers = 1), dims of the target
+    norms: bool = True  # enorm/hnorm/block input norm/final norm (MTP) vs none (EAGLE-1)
+    fc_bias: bool = False  # EAGLE-1's fc has a bias
+
+    def __post_init__(self):
+        if self.kind not in ("mtp", "eagle"):
+            raise ValueError(f"HeadConfig.kind must be 'mtp' or 'eagle', got {self.kind!r}")
+        if self.layer.num_layers != 1:
+            raise ValueError("a draft head has exactly one decoder layer")
+
+    def to_dict(self):
+        return {"kind": self.kind, "layer": self.layer.to_dict(), "norms": self.norms,
+                "fc_bias": self.fc_bias}
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls(kind=d["kind"], layer=ModelConfig.from_dict(d["layer"]), norms=d["norms"],
+                   fc_bias=d.get("fc_bias", False))
+
+    @classmethod
+    def for_target(cls, target_cfg: ModelConfig, kind: str = "mtp", norms: bool | None = None):
+        """A head whose block has the target's dimensions. norms defaults to True for MTP,
+        False for EAGLE-1."""
+        norms = (kind == "mtp") if norms is None else norms
+        return cls(kind=kind, layer=dataclasses.replace(target_cfg, num_layers=1), norms=norms,
+                   fc_bias=(kind == "eagle" and not norms))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """Head params (pytree) + config. ``params``: enorm [E], hnorm [E], eh_proj [2E, E],
+    (eh_bias [E]), layer (one decoder-layer dict), final_norm [E]."""
+
+    params: dict
+    config: HeadConfig = dataclasses.field(metadata=dict(static=True))
+
+
+def init_head(cfg: HeadConfig, key, dtype=jnp.float32, scale: float = 0.02) -> dict:
+    """Random head params (the block initialised like a model layer, norms at 1)."""
+    e = cfg.layer.hidden_size
+    k1, k2 = jax.random.split(key)
+    layer = init_params(cfg.layer, k1, dtype, scale)["layers"][0]
+    params = {"eh_proj": (scale * jax.random.normal(k2, (2 * e, e))).astype(dtype), "layer": layer}
+    if cfg.norms:
+        params.update(enorm=jnp.ones((e,), dtype), hnorm=jnp.ones((e,), dtype),
+                      final_norm=jnp.ones((e,), dtype))
+    else:
+        del params["layer"]["attn_norm"]
+    if cfg.fc_bias:
+        params["eh_bias"] = jnp.zeros((e,), dtype)
+    return params
+
+
+def head_features(target_params, target_cfg: ModelConfig, hidden, cfg: HeadConfig):
+    """What the head consumes from the target: pre-norm hidden (MTP) or post-norm (EAGLE-1)."""
+    if cfg.norms:
+        return hidden
+    return rms_norm(hidden, target_params["norm"], target_cfg.rms_norm_eps)
+
+
+def head_forward(head_params, cfg: HeadConfig, target_params, target_cfg: ModelConfig, tokens,
+                 features, positions, kv: kv_cache.KVCache, page_table, cache_start, num_new=None,
+                 new_mask=None, *, attn_impl: str = "reference"):
+    """Runs the head's block over T positions (no lm_head: see head_logits).
+
+    Args:
+      tokens: [B, T] token t_{i+1} for head position i (the target's tokens shifted left).
+      features: [B, T, E] the target feature f_i (see head_features), or the head's own output
+        hidden state when drafting beyond the first token.
+      positions, kv, page_table, cache_start, num_new, new_mask: as in model.forward (the head's
+        one-layer cache shares the target's page table).
+    Returns:
+      (hidden [B, T, E] the head's output h', kv).
+    """
+    b, t = tokens.shape
+    lcfg = cfg.layer
+    e = embed(target_params, tokens)
+    if cfg.norms:
+        e = rms_norm(e, head_params["enorm"], lcfg.rms_norm_eps)
+        features = rms_norm(features, head_params["hnorm"], lcfg.rms_norm_eps)
+    x = jnp.concatenate([e, features.astype(e.dtype)], axis=-1) @ head_params["eh_proj"]
+    if cfg.fc_bias:
+        x = x + head_params["eh_bias"]
+    if num_new is None:
+        num_new = jnp.full((b,), t, jnp.int32)
+    valid = jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]
+    lp = head_params["layer"]
+    if "attn_norm" not in lp:  # EAGLE-1 drops the block's input norm
+        lp = dict(lp, attn_norm=None)
+    h, k0, v0 = decoder_layer(lp, lcfg, x, positions, kv.k[0], kv.v[0], page_table, cache_start,
+                              valid, new_mask, attn_impl)
+    return h, kv_cache.KVCache(k=(k0,), v=(v0,))
+
+
+def head_logits(head_params, cfg: HeadConfig, target_params, target_cfg: ModelConfig, hidden):
+    """The shared, frozen lm_head over the head's output: [..., E] -> float32 [..., V]."""
+    if cfg.norms:
+        return lm_head(dict(target_params, norm=head_params["final_norm"]), target_cfg, hidden)
+    w = target_params["embed"].T if target_cfg.tie_word_embeddings else target_params["lm_head"]
+    return (hidden @ w).astype(jnp.float32)
