@@ -65,13 +65,45 @@ def load_model(path: str, dtype=jnp.float32) -> Model:
     return _as_model(cfg, params, dtype, path)
 
 
-def load_draft(path, target: Model, dtype=None) -> Model:
-    """Loads a draft for ``target``: a draft LLM (any load_model path or a Model).
+def load_draft(path, target: Model, dtype=None):
+    """Loads a draft for ``target``.
 
-    The draft must share the target's vocabulary.
+    Args:
+      path: a specjax checkpoint of a draft LLM ("draft_llm": layers trained against this target,
+        sharing its embedding and lm_head) or of a head ("head": MTP / EAGLE, returns a
+        specjax.heads.Head), any load_model path (a full draft LLM), or a Model / Head object.
+      target: the target the draft proposes for (its vocabulary, embedding and lm_head).
+    Returns:
+      a Model (method="draft") or a Head (method="mtp" / "eagle").
     """
-    draft = path if isinstance(path, Model) else load_model(path, dtype or target.dtype)
-    check_draft(draft, target)
+    from specjax.heads import Head  # noqa: PLC0415
+    from specjax.io import checkpoint  # noqa: PLC0415
+
+    dtype = dtype or target.dtype
+    if isinstance(path, (Model, Head)):
+        draft = path
+    elif isinstance(path, str) and checkpoint.is_checkpoint(path):
+        kind = checkpoint.checkpoint_kind(path)
+        if kind == "head":
+            from specjax.io.heads_io import load_head  # noqa: PLC0415
+            head = load_head(path)
+            draft = Head(params=jax.tree.map(lambda a: jnp.asarray(a, dtype), head.params),
+                         config=head.config)
+        elif kind == "draft_llm":
+            _, cfg, params, extra = checkpoint.load_checkpoint(path)
+            cfg = ModelConfig.from_dict(cfg)
+            params = dict(params)
+            for name in extra.get("shares", ["embed", "lm_head"]):
+                if name in target.params:
+                    params[name] = target.params[name]
+            check_params(params, cfg)
+            draft = _as_model(cfg, params, dtype, path)
+        else:
+            draft = load_model(path, dtype)
+    else:
+        draft = load_model(path, dtype)
+    method = ("mtp" if draft.config.kind == "mtp" else "eagle") if isinstance(draft, Head) else "draft"
+    check_draft(draft, target, method)
     return draft
 
 

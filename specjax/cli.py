@@ -1,4 +1,4 @@
-"""The ``specjax`` command: demo and generate."""
+"""The ``specjax`` command: demo, generate, train-head, train-draft."""
 
 from __future__ import annotations
 
@@ -105,6 +105,49 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _train_common(p):
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--work", default="data/smollm2", help="corpus, hidden states and run state")
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--num-prompts", type=int, default=768, help="self-distilled train answers")
+    p.add_argument("--num-wiki", type=int, default=2048, help="wiki extracts framed as answers")
+    p.add_argument("--held-out-prompts", type=int, default=64)
+    p.add_argument("--answer-tokens", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-prompts", type=int, default=8)
+
+
+def _prepare_training(args):
+    import specjax as sj  # noqa: PLC0415
+    from specjax.train import pipeline, trainer  # noqa: PLC0415
+
+    target = sj.load_model(args.model)
+    tok = sj.load_tokenizer(args.model)
+    pipeline.prepare(target, tok, args.work, args.num_prompts, args.num_wiki, args.held_out_prompts,
+                     args.answer_tokens, args.seq_len)
+    tc = trainer.TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                             lr=args.lr, seed=args.seed)
+    return target, tok, tc, pipeline
+
+
+def cmd_train_head(args) -> int:
+    target, tok, tc, pipeline = _prepare_training(args)
+    pipeline.train_head(target, tok, args.work, args.out, args.kind, args.norms == "on", tc,
+                        eval_prompts=args.eval_prompts)
+    return 0
+
+
+def cmd_train_draft(args) -> int:
+    target, tok, tc, pipeline = _prepare_training(args)
+    pipeline.train_draft(target, tok, args.work, args.out, args.layers, tc,
+                         eval_prompts=args.eval_prompts)
+    return 0
+
+
 def _common(p):
     p.add_argument("--model", default="smollm2-135m", help="model name, HF dir, .gguf or checkpoint")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: same as --model)")
@@ -129,11 +172,22 @@ def main(argv=None) -> int:
     gen.add_argument("--file", help="a file with one prompt per line")
     gen.add_argument("--method", choices=["none", "draft"], default="draft")
     gen.add_argument("--no-chat", dest="chat", action="store_false", help="raw text, no chat template")
+    th = sub.add_parser("train-head", help="train an MTP / EAGLE head on self-distilled data "
+                                              "(resumable: rerun the same command)")
+    _train_common(th)
+    th.add_argument("--kind", choices=["mtp", "eagle"], default="mtp")
+    th.add_argument("--norms", choices=["on", "off"], default="on",
+                    help="restored RMSNorms (enorm/hnorm/block/final) on or off (EAGLE-1 style)")
+    td = sub.add_parser("train-draft", help="distill a small draft LLM sharing the target's "
+                                               "embedding and lm_head (resumable)")
+    _train_common(td)
+    td.add_argument("--layers", type=int, default=4)
     args = parser.parse_args(argv)
     if args.cmd == "demo" and args.json == "-":
         args.json = None
     try:
-        return {"demo": cmd_demo, "generate": cmd_generate}[args.cmd](args)
+        return {"demo": cmd_demo, "generate": cmd_generate, "train-head": cmd_train_head,
+                "train-draft": cmd_train_draft}[args.cmd](args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"specjax {args.cmd}: error: {e}", file=sys.stderr)
         return 2

@@ -32,6 +32,11 @@ def save_checkpoint(path: str, params, config: ModelConfig, kind: str = "model",
         json.dump({"kind": kind, "config": config.to_dict(), "extra": extra or {}}, f, indent=2)
 
 
+def checkpoint_kind(path: str) -> str:
+    with open(os.path.join(path, CONFIG_FILE)) as f:
+        return json.load(f)["kind"]
+
+
 def load_checkpoint(path: str):
     """Returns (kind, config dict, params as numpy, extra)."""
     import orbax.checkpoint as ocp  # noqa: PLC0415

@@ -1,0 +1,140 @@
+"""End-to-end head / draft training for a target: corpus -> hidden states -> train -> validate.
+
+Every stage is resumable (finished shards and training checkpoints are kept under ``work``), so
+a long run can be interrupted and restarted with the same command. Used by
+``specjax train-head`` and ``specjax train-draft``; checkpoints/README.md has the exact commands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.train import data as data_lib
+from specjax.train import trainer
+
+
+def prepare(target, tok, work: str, num_prompts: int, num_wiki: int, held_out_prompts: int,
+            max_new_tokens: int, seq_len: int):
+    """Builds train + held-out corpora and their hidden states under ``work``."""
+    for split, n_prompts, n_wiki in (("train", num_prompts, num_wiki),
+                                     ("held_out", held_out_prompts, held_out_prompts)):
+        cdir = os.path.join(work, f"corpus-{split}")
+        data_lib.build_corpus(target, tok, cdir, num_prompts=n_prompts, num_wiki=n_wiki,
+                              max_new_tokens=max_new_tokens, split=split)
+        data_lib.collect_hidden(target, cdir, os.path.join(work, f"hidden-{split}"), seq_len=seq_len)
+
+
+def load_split(work: str, split: str):
+    paths = sorted(glob.glob(os.path.join(work, f"hidden-{split}", "*.npz")))
+    if not paths:
+        raise FileNotFoundError(f"no hidden-state shards in {work}/hidden-{split}: run the data stage")
+    return data_lib.load_hidden(paths)
+
+
+def acceptance_eval(target, tok, draft, method: str, ks=(1, 3), num_prompts: int = 8,
+                    max_new_tokens: int = 96):
+    """Mean accepted length and speedup by actually running speculative decoding (greedy) on
+    held-out chat prompts, plain decoding timed in the same run."""
+    import specjax as sj  # noqa: PLC0415
+    from specjax.train.corpora import chat_prompts  # noqa: PLC0415
+
+    prompts = [tok.apply_chat_template(m) for m in chat_prompts("held_out", limit=num_prompts)]
+    res = {}
+    kw = dict(max_new_tokens=max_new_tokens, eos_token_id=[])
+    for p in prompts[:1]:  # compile
+        sj.generate(target, [p], **kw)
+    plain_t = 0.0
+    plain_tokens = []
+    for p in prompts:
+        o = sj.generate(target, [p], **kw)
+        plain_t += o.stats["wall_time_s"]
+        plain_tokens.append(o.tokens[0])
+    for k in ks:
+        sj.generate(target, prompts[:1], draft=draft, method=method, num_draft_tokens=k, **kw)
+        t, lens, same = 0.0, [], True
+        for p, want in zip(prompts, plain_tokens):
+            o = sj.generate(target, [p], draft=draft, method=method, num_draft_tokens=k, **kw)
+            t += o.stats["wall_time_s"]
+            lens.append(o.stats["mean_accepted_length"])
+            same &= o.tokens[0] == want
+        res[f"k={k}"] = {"mean_accepted_length": float(np.mean(lens)), "speedup": plain_t / t,
+                         "identical_to_plain": bool(same)}
+    return res
+
+
+def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: trainer.TrainConfig,
+               eval_prompts: int = 8):
+    from specjax.heads import Head, HeadConfig, init_head  # noqa: PLC0415
+    from specjax.io.heads_io import save_head  # noqa: PLC0415
+
+    hcfg = HeadConfig.for_target(target.config, kind, norms=norms)
+    # init the block from the target's last layer (a strong start for a next-token predictor)
+    params = init_head(hcfg, jax.random.key(tc.seed), dtype=target.dtype)
+    last = target.params["layers"][-1]
+    params["layer"] = {k: (last[k] if k in last else v) for k, v in params["layer"].items()}
+    train = load_split(work, "train")
+    name = f"{kind}-{'norms' if norms else 'nonorms'}"
+
+    def loss_fn(p, tp, tokens, lengths, hidden):
+        return trainer.head_loss(p, hcfg, tp, target.config, tokens, lengths, hidden, tc)
+
+    t0 = time.perf_counter()
+    params = trainer.fit(loss_fn, params, target.params, train, tc, os.path.join(work, f"run-{name}"),
+                         describe=name)
+    train_time = time.perf_counter() - t0
+    held = load_split(work, "held_out")
+    metrics = trainer.evaluate(loss_fn, params, target.params, held, tc.batch_size, tc.seq_len)
+    head = Head(params=params, config=hcfg)
+    accept = acceptance_eval(target, tok, head, kind, num_prompts=eval_prompts)
+    report = {"name": name, "kind": kind, "norms": norms, "train_config": dataclasses.asdict(tc),
+              "train_tokens": int(train["lengths"].sum()), "train_time_s": train_time,
+              "held_out": metrics, "acceptance": accept}
+    save_head(head, out)
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump(report, f, indent=2, default=float)
+    print(json.dumps(report, indent=2, default=float), flush=True)
+    return report
+
+
+def train_draft(target, tok, work: str, out: str, num_layers: int, tc: trainer.TrainConfig,
+                eval_prompts: int = 8):
+    from specjax.io.checkpoint import save_checkpoint  # noqa: PLC0415
+    from specjax.model import Model  # noqa: PLC0415
+
+    cfg = dataclasses.replace(target.config, num_layers=num_layers)
+    # student layers start from evenly spaced target layers; embedding + lm_head shared, frozen
+    picks = np.linspace(0, target.config.num_layers - 1, num_layers).round().astype(int).tolist()
+    trainable = {"layers": [dict(target.params["layers"][i]) for i in picks],
+                 "norm": target.params["norm"]}
+    frozen = {k: v for k, v in target.params.items() if k not in ("layers", "norm")}
+    train = load_split(work, "train")
+
+    def loss_fn(p, tp, tokens, lengths, hidden):
+        return trainer.draft_loss(p, tp, target.config, cfg, tokens, lengths, hidden, tc)
+
+    t0 = time.perf_counter()
+    trainable = trainer.fit(loss_fn, trainable, target.params, train, tc,
+                            os.path.join(work, f"run-draft{num_layers}"), describe=f"draft{num_layers}")
+    train_time = time.perf_counter() - t0
+    metrics = trainer.evaluate(loss_fn, trainable, target.params, load_split(work, "held_out"),
+                               tc.batch_size, tc.seq_len)
+    params = dict(frozen, **trainable)
+    draft = Model(params=params, config=cfg, source=out)
+    accept = acceptance_eval(target, tok, draft, "draft", num_prompts=eval_prompts)
+    # ship only what was trained (float16): the embedding/lm_head are the target's
+    save_checkpoint(out, jax.tree.map(lambda a: np.asarray(a, np.float16), trainable), cfg,
+                    kind="draft_llm", extra={"init_layers": picks, "shares": sorted(frozen)})
+    report = {"name": f"draft{num_layers}", "init_layers": picks, "train_tokens": int(train["lengths"].sum()),
+              "train_time_s": train_time, "held_out": metrics, "acceptance": accept}
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump(report, f, indent=2, default=float)
+    print(json.dumps(report, indent=2, default=float), flush=True)
+    return report

@@ -1,0 +1,192 @@
+"""Training MTP/EAGLE heads and small draft LLMs on precomputed target hidden states (optax).
+
+Heads: head position j gets (x_{j+1}, f_j) and is trained so that its output h'_j matches the
+target's next hidden state h_{j+1} (SmoothL1, in the space the head feeds back on: RMS-normalised
+for MTP heads, post-norm features for EAGLE-1) and its logits (through the shared, frozen lm_head)
+match the target's next-token distribution softmax(lm_head(h_{j+1})) (soft cross-entropy).
+Draft LLMs: KL to the target's next-token distribution at every position, with the target's
+embedding, final norm and lm_head shared and frozen.
+
+Runs are resumable: ``run_dir/state.npz`` (params + optimizer state + step) is written every
+``save_every`` steps; ``run_dir/log.jsonl`` has one line per logged step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from specjax import heads, kv_cache
+from specjax.model import forward, lm_head, rms_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 400
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 1e-3
+    warmup: int = 20
+    weight_decay: float = 0.0
+    reg_weight: float = 1.0  # SmoothL1 on hidden states (heads only)
+    cls_weight: float = 0.1  # soft CE on next-token distribution (heads)
+    grad_clip: float = 0.5
+    seed: int = 0
+    save_every: int = 50
+    log_every: int = 10
+
+
+def _paged(b, t, cfg):
+    page = 16
+    ppseq = kv_cache.pages_needed(t, page)
+    return (kv_cache.init_cache(cfg, b * ppseq, page), kv_cache.contiguous_page_table(b, ppseq),
+            jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
+
+
+def _soft_ce(teacher_logits, logits):
+    p = jax.nn.softmax(teacher_logits, axis=-1)
+    return -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+
+
+def _smooth_l1(x, y):
+    d = jnp.abs(x - y)
+    return jnp.mean(jnp.where(d < 1.0, 0.5 * d * d, d - 0.5), axis=-1)
+
+
+def head_loss(head_params, head_cfg: heads.HeadConfig, tp, tcfg, tokens, lengths, hidden,
+              tc: TrainConfig):
+    """Teacher-forced head loss on one batch. tp/tcfg: the target's params and config;
+    tokens [B, T], lengths [B], hidden [B, T, E]."""
+    b, t = tokens.shape
+    hidden = hidden.astype(jnp.float32)
+    feats = heads.head_features(tp, tcfg, hidden[:, :-1], head_cfg)  # f_j, j = 0..T-2
+    h_next = hidden[:, 1:]  # h_{j+1}
+    teacher = jax.lax.stop_gradient(lm_head(tp, tcfg, h_next))  # predicts x_{j+2}
+    kv, pt, pos = _paged(b, t - 1, head_cfg.layer)
+    hh, _ = heads.head_forward(head_params, head_cfg, tp, tcfg, tokens[:, 1:], feats, pos, kv, pt,
+                               jnp.zeros((b,), jnp.int32), jnp.maximum(lengths - 1, 1))
+    logits = heads.head_logits(head_params, head_cfg, tp, tcfg, hh)
+    mask = (jnp.arange(t - 1)[None, :] < (lengths - 1)[:, None]).astype(jnp.float32)  # j+1 < len
+    if head_cfg.norms:
+        reg = _smooth_l1(rms_norm(hh, jnp.ones(hh.shape[-1]), 1e-6),
+                         rms_norm(h_next, jnp.ones(hh.shape[-1]), 1e-6))
+    else:
+        reg = _smooth_l1(hh, heads.head_features(tp, tcfg, h_next, head_cfg))
+    cls = _soft_ce(teacher, logits)
+    denom = jnp.maximum(mask.sum(), 1.0)
+    reg, cls = (reg * mask).sum() / denom, (cls * mask).sum() / denom
+    top1 = ((jnp.argmax(logits, -1) == jnp.argmax(teacher, -1)) * mask).sum() / denom
+    return tc.reg_weight * reg + tc.cls_weight * cls, {"reg": reg, "cls": cls, "top1": top1}
+
+
+def draft_loss(trainable, tp, tcfg, cfg, tokens, lengths, hidden, tc: TrainConfig):
+    """KL(target || draft) of next-token distributions at every valid position. The draft uses
+    the target's embedding and lm_head (from tp) with its own layers and final norm."""
+    params = dict({k: v for k, v in tp.items() if k not in ("layers", "norm")}, **trainable)
+    b, t = tokens.shape
+    kv, pt, pos = _paged(b, t, cfg)
+    logits, _, _ = forward(params, cfg, tokens, pos, kv, pt, jnp.zeros((b,), jnp.int32), lengths)
+    teacher = jax.lax.stop_gradient(lm_head(tp, tcfg, hidden.astype(jnp.float32)))
+    p_log = jax.nn.log_softmax(teacher, -1)
+    kl = jnp.sum(jnp.exp(p_log) * (p_log - jax.nn.log_softmax(logits, -1)), -1)
+    mask = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.float32)
+    denom = jnp.maximum(mask.sum(), 1.0)
+    kl = (kl * mask).sum() / denom
+    top1 = ((jnp.argmax(logits, -1) == jnp.argmax(teacher, -1)) * mask).sum() / denom
+    return kl, {"kl": kl, "top1": top1}
+
+
+def _optimizer(tc: TrainConfig):
+    sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup, max(tc.steps, tc.warmup + 1),
+                                               tc.lr * 0.05)
+    return optax.chain(optax.clip_by_global_norm(tc.grad_clip),
+                       optax.adamw(sched, weight_decay=tc.weight_decay))
+
+
+def _save_state(path, tree, step):
+    leaves = jax.tree.leaves(tree)
+    np.savez(path + ".tmp.npz", step=step, **{f"l{i}": np.asarray(x) for i, x in enumerate(leaves)})
+    os.replace(path + ".tmp.npz", path)
+
+
+def _load_state(path, template):
+    z = np.load(path)
+    leaves = [z[f"l{i}"] for i in range(len(jax.tree.leaves(template)))]
+    return jax.tree.unflatten(jax.tree.structure(template), [jnp.asarray(x) for x in leaves]), int(z["step"])
+
+
+def _batches(data, tc: TrainConfig, start_step: int):
+    n = len(data["tokens"])
+    rng = np.random.RandomState(tc.seed)
+    order = np.concatenate([rng.permutation(n) for _ in range(tc.steps * tc.batch_size // n + 2)])
+    for step in range(start_step, tc.steps):
+        idx = order[step * tc.batch_size:(step + 1) * tc.batch_size]
+        yield step, (data["tokens"][idx, :tc.seq_len], data["lengths"][idx].clip(1, tc.seq_len),
+                     data["hidden"][idx, :tc.seq_len])
+
+
+def fit(loss_fn, trainable, frozen, data, tc: TrainConfig, run_dir: str, describe: str = ""):
+    """Generic resumable optax loop.
+
+    loss_fn(trainable, frozen, tokens, lengths, hidden) -> (loss, metrics). ``frozen`` (the
+    target's params) is a jit argument, never a closure constant (XLA would fold 100+ MB of it).
+    """
+    os.makedirs(run_dir, exist_ok=True)
+    opt = _optimizer(tc)
+    opt_state = opt.init(trainable)
+    state_path = os.path.join(run_dir, "state.npz")
+    start = 0
+    if os.path.exists(state_path):
+        (trainable, opt_state), start = _load_state(state_path, (trainable, opt_state))
+        print(f"resuming {run_dir} at step {start}", flush=True)
+
+    @jax.jit
+    def update(trainable, opt_state, frozen, tokens, lengths, hidden):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            trainable, frozen, tokens, lengths, hidden)
+        updates, opt_state = opt.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, dict(metrics, loss=loss)
+
+    t0 = time.perf_counter()
+    log = open(os.path.join(run_dir, "log.jsonl"), "a")
+    step = start
+    for step, (tokens, lengths, hidden) in _batches(data, tc, start):
+        trainable, opt_state, m = update(trainable, opt_state, frozen, jnp.asarray(tokens),
+                                         jnp.asarray(lengths), jnp.asarray(hidden))
+        if (step + 1) % tc.log_every == 0 or step == start:
+            m = {k: float(v) for k, v in m.items()}
+            el = time.perf_counter() - t0
+            rate = (step + 1 - start) / el
+            print(f"[{describe}] step {step + 1}/{tc.steps} " + " ".join(f"{k}={v:.4f}" for k, v in m.items())
+                  + f" ({rate:.2f} step/s, eta {(tc.steps - step - 1) / max(rate, 1e-9) / 60:.1f} min)",
+                  flush=True)
+            log.write(json.dumps(dict(step=step + 1, time=el, **m)) + "\n")
+            log.flush()
+        if (step + 1) % tc.save_every == 0:
+            _save_state(state_path, (trainable, opt_state), step + 1)
+    _save_state(state_path, (trainable, opt_state), tc.steps)
+    return trainable
+
+
+def evaluate(loss_fn, trainable, frozen, data, batch_size=8, seq_len=256, max_batches=None):
+    """Mean metrics over a held-out hidden-state set (teacher-forced, inference forward)."""
+    fn = jax.jit(loss_fn)
+    n = len(data["tokens"])
+    sums, count = {}, 0
+    for i, b0 in enumerate(range(0, n - batch_size + 1, batch_size)):
+        if max_batches is not None and i >= max_batches:
+            break
+        sl = slice(b0, b0 + batch_size)
+        _, m = fn(trainable, frozen, jnp.asarray(data["tokens"][sl, :seq_len]),
+                  jnp.asarray(data["lengths"][sl].clip(1, seq_len)), jnp.asarray(data["hidden"][sl, :seq_len]))
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+        count += 1
+    return {k: v / max(count, 1) for k, v in sums.items()}
