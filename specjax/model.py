@@ -208,6 +208,10 @@ def check_params(params, cfg: ModelConfig) -> None:
             "wo": (h * d, e), "mlp_norm": (e,), "w_gate": (e, f), "w_up": (e, f), "w_down": (f, e),
             "bq": (h * d,), "bk": (hkv * d,), "bv": (hkv * d,), "bo": (e,),
             "b_gate": (f,), "b_up": (f,), "b_down": (e,)}
+    missing = [k for k in ("embed", "layers", "norm") + (() if cfg.tie_word_embeddings else ("lm_head",))
+               if k not in params]
+    if missing:
+        raise ValueError(f"params are missing {missing}")
     if tuple(params["embed"].shape) != (v, e):
         raise ValueError(f"embed has shape {params['embed'].shape}, expected {(v, e)}")
     if len(params["layers"]) != cfg.num_layers:
