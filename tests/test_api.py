@@ -31,7 +31,7 @@ def model():
     (dict(top_k=-1), "top_k must be an int >= 0"),
     (dict(top_k=1.5), "top_k must be an int"),
     (dict(method="magic"), "method must be one of"),
-    (dict(method="draft"), "needs a draft model"),
+    (dict(method="draft"), "needs a draft"),
     (dict(method="draft", draft="x"), "draft must be a specjax Model"),
     (dict(num_draft_tokens=0, method="draft"), "num_draft_tokens must be an int in \\[1, 64\\]"),
     (dict(page_size=0), "page_size"),
