@@ -19,14 +19,26 @@ def _repo_checkpoints() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")
 
 
-def default_draft(target, layers: int = 8):
-    """The best draft we have for SmolLM2: a shipped distilled draft, else an early-exit draft."""
-    import specjax as sj  # noqa: PLC0415
+SHIPPED = (("smollm2-mtp", "mtp"), ("smollm2-eagle", "eagle"), ("smollm2-draft", "draft"))
 
-    shipped = os.path.join(_repo_checkpoints(), "smollm2-draft")
-    if os.path.isdir(shipped):
-        return sj.load_draft(shipped, target=target), "checkpoints/smollm2-draft"
-    return sj.early_exit_draft(target, layers), f"early-exit draft (first {layers} layers)"
+
+def default_draft(target, method: str | None = None, layers: int = 8):
+    """The best shipped draft for SmolLM2 (MTP head, EAGLE head, distilled draft LLM, in that
+    order; restricted to ``method`` if given), else an untrained early-exit draft.
+
+    Returns (draft, description, method).
+    """
+    import specjax as sj  # noqa: PLC0415
+    from specjax.io.checkpoint import is_checkpoint  # noqa: PLC0415
+
+    if target.source == "smollm2-135m":
+        for name, kind in SHIPPED:
+            path = os.path.join(_repo_checkpoints(), name)
+            if (method in (None, kind)) and is_checkpoint(path):
+                return sj.load_draft(path, target=target), f"checkpoints/{name}", kind
+    if method in (None, "draft"):
+        return sj.early_exit_draft(target, layers), f"early-exit draft (first {layers} layers)", "draft"
+    raise ValueError(f"no shipped {method!r} draft for {target.source!r}: pass --draft PATH")
 
 
 def _load(args):
@@ -36,11 +48,12 @@ def _load(args):
     target = sj.load_model(args.model)
     tok = sj.load_tokenizer(args.tokenizer or args.model)
     draft, draft_name = None, None
-    if args.method == "draft":
+    if args.method != "none":
         if args.draft:
             draft, draft_name = sj.load_draft(args.draft, target=target), args.draft
+            args.method = args.method or ("draft" if isinstance(draft, sj.Model) else draft.config.kind)
         else:
-            draft, draft_name = default_draft(target)
+            draft, draft_name, args.method = default_draft(target, args.method)
     print(f"loaded {args.model} ({target.config.num_layers} layers) in "
           f"{time.perf_counter() - t0:.1f}s" + (f"; draft: {draft_name}" if draft_name else ""),
           file=sys.stderr)
@@ -59,17 +72,17 @@ def _run(target, prompts, draft, args, method):
 
 
 def cmd_demo(args) -> int:
-    args.method = "draft"
     target, tok, draft = _load(args)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in DEMO_PROMPTS]
     print("compiling and running (plain, then speculative)...", file=sys.stderr)
     plain = _run(target, prompts, None, args, "none")
-    spec = _run(target, prompts, draft, args, "draft")
+    spec = _run(target, prompts, draft, args, args.method)
     same = plain.tokens == spec.tokens
     for q, toks in zip(DEMO_PROMPTS, spec.tokens):
         print(f"\n### {q}\n{tok.decode(toks).strip()}")
     s, p = spec.stats, plain.stats
-    print("\n--- speculative decoding (draft-target, k=%d, temperature %.2g) ---" % (args.k, args.temperature))
+    print(f"\n--- speculative decoding (method {args.method}, k={args.k}, temperature "
+          f"{args.temperature:.2g}) ---")
     print(f"outputs identical to plain decoding: {same}")
     print(f"acceptance rate            {s['acceptance_rate']:.3f}")
     print(f"mean accepted length       {s['mean_accepted_length']:.2f} tokens / target step")
@@ -166,11 +179,14 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="SmolLM2 + draft on chat prompts: answers, acceptance, speedup")
     _common(demo)
+    demo.add_argument("--method", choices=["draft", "mtp", "eagle"], default=None,
+                      help="default: the best shipped draft (MTP head first)")
     gen = sub.add_parser("generate", help="generate from prompts (plain or speculative)")
     _common(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--file", help="a file with one prompt per line")
-    gen.add_argument("--method", choices=["none", "draft"], default="draft")
+    gen.add_argument("--method", choices=["none", "draft", "mtp", "eagle"], default=None,
+                     help="default: the best shipped draft's method")
     gen.add_argument("--no-chat", dest="chat", action="store_false", help="raw text, no chat template")
     th = sub.add_parser("train-head", help="train an MTP / EAGLE head on self-distilled data "
                                               "(resumable: rerun the same command)")

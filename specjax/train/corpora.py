@@ -43,6 +43,8 @@ def chat_prompts(split: str = "held_out", limit: int | None = None) -> list[list
         "Why is {title} important?",
     )
     out = []
+    if limit is not None and limit <= 0:
+        return out
     for i, e in enumerate(wiki_entries(split)):
         out.append([{"role": "user", "content": templates[i % len(templates)].format(title=e["title"])}])
         if limit is not None and len(out) >= limit:
