@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import numbers
 import os
 import time
 from typing import Sequence
@@ -47,6 +49,10 @@ def load_model(path: str, dtype=jnp.float32) -> Model:
     """
     from specjax.io import checkpoint, hf  # noqa: PLC0415
 
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str):
+        raise TypeError(f"load_model: path must be a str or path, got {type(path).__name__}")
     if path in BUILTIN_MODELS:
         from specjax.io import gguf  # noqa: PLC0415
         cfg, params = gguf.load_gguf(gguf.smollm2_gguf_path())
@@ -79,9 +85,14 @@ def load_draft(path, target: Model, dtype=None):
     from specjax.heads import Head  # noqa: PLC0415
     from specjax.io import checkpoint  # noqa: PLC0415
 
+    if not isinstance(target, Model):
+        raise TypeError(f"load_draft: target must be a specjax Model, got {type(target).__name__}")
     dtype = dtype or target.dtype
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
     if isinstance(path, (Model, Head)):
-        draft = path
+        draft = dataclasses.replace(path, params=jax.tree.map(lambda a: jnp.asarray(a, dtype),
+                                                              path.params))
     elif isinstance(path, str) and checkpoint.is_checkpoint(path):
         kind = checkpoint.checkpoint_kind(path)
         if kind == "head":
@@ -155,10 +166,14 @@ def load_tokenizer(name_or_path: str):
 def _check_tokens(ids: Sequence[int], vocab: int, what: str) -> list[int]:
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
         raise TypeError(f"{what} must be a list of token ids, got {type(ids).__name__}")
-    try:
-        ids = [int(t) for t in ids]
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{what} must contain integer token ids: {e}") from None
+    if isinstance(ids, (np.ndarray, jax.Array)):
+        if ids.ndim != 1:
+            raise ValueError(f"{what} must be 1-D token ids, got an array of shape {ids.shape}")
+        ids = ids.tolist()
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if bad:
+        raise TypeError(f"{what} must contain integer token ids, got {bad[0]!r}")
+    ids = [int(t) for t in ids]
     if not ids:
         raise ValueError(f"{what} is empty: a prompt needs at least one token")
     bad = [t for t in ids if not 0 <= t < vocab]
@@ -167,14 +182,14 @@ def _check_tokens(ids: Sequence[int], vocab: int, what: str) -> list[int]:
     return ids
 
 
-@jax.jit
-def _logits_jit(model: Model, tokens, length):
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _logits_jit(params, cfg, tokens, length):
     t = tokens.shape[1]  # padded to a bucket; rows beyond `length` are padding
     page = 16
     ppseq = kv_cache.pages_needed(t, page)
-    kv = kv_cache.init_cache(model.config, ppseq, page, model.dtype)
+    kv = kv_cache.init_cache(cfg, ppseq, page, params["embed"].dtype)
     pos = jnp.arange(t, dtype=jnp.int32)[None, :]
-    logits, _, _ = forward(model.params, model.config, tokens, pos, kv,
+    logits, _, _ = forward(params, cfg, tokens, pos, kv,
                            kv_cache.contiguous_page_table(1, ppseq), jnp.zeros((1,), jnp.int32),
                            length[None])
     return logits[0]
@@ -182,13 +197,15 @@ def _logits_jit(model: Model, tokens, length):
 
 def logits(model: Model, token_ids: Sequence[int]) -> np.ndarray:
     """Teacher-forced logits. token_ids: [T] -> float32 [T, V] (row t predicts token t+1)."""
+    if not isinstance(model, Model):
+        raise TypeError(f"model must be a specjax Model, got {type(model).__name__}")
     ids = _check_tokens(token_ids, model.config.vocab_size, "token_ids")
     if len(ids) > model.config.max_position_embeddings:
         raise ValueError(f"token_ids has {len(ids)} tokens, more than the model's max length "
                          f"{model.config.max_position_embeddings}")
     padded = np.zeros((1, _bucket(len(ids))), np.int32)
     padded[0, :len(ids)] = ids
-    out = _logits_jit(model, jnp.asarray(padded), jnp.asarray(len(ids), jnp.int32))
+    out = _logits_jit(model.params, model.config, jnp.asarray(padded), jnp.asarray(len(ids), jnp.int32))
     return np.asarray(out[:len(ids)])
 
 
@@ -207,8 +224,34 @@ def _bucket(n: int, minimum: int = 16) -> int:
     return b
 
 
+def _batch_bucket(b: int) -> int:
+    """Powers of two up to 64, then multiples of 64."""
+    return _bucket(b, 1) if b <= 64 else -(-b // 64) * 64
+
+
+def _eos_list(eos_token_id, cfg: ModelConfig) -> list[int]:
+    """Validated stop ids: None -> the model's own; an int or an iterable of ints in [0, V)."""
+    if eos_token_id is None:
+        return list(cfg.eos_token_ids)
+    if isinstance(eos_token_id, (str, bytes)):
+        raise TypeError(f"eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
+    ids = [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else eos_token_id
+    try:
+        ids = list(ids)
+    except TypeError:
+        raise TypeError(f"eos_token_id must be an int or a list of ints, got {eos_token_id!r}") from None
+    for e in ids:
+        if isinstance(e, bool) or not isinstance(e, numbers.Integral):
+            raise TypeError(f"eos_token_id must contain ints, got {e!r}")
+        if not 0 <= e < cfg.vocab_size:
+            raise ValueError(f"eos_token_id {e} is outside the vocabulary [0, {cfg.vocab_size})")
+    return [int(e) for e in ids]
+
+
 def _per_row(value, n: int, name: str, cast):
-    if isinstance(value, (list, tuple, np.ndarray)):
+    if isinstance(value, (np.ndarray, jax.Array)):
+        value = value.tolist()  # a 0-d array becomes a scalar
+    if isinstance(value, (list, tuple)):
         if len(value) != n:
             raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
         return [cast(v) for v in value]
@@ -235,7 +278,7 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
       num_draft_tokens: k, the draft length (1..64).
       temperature, top_k, top_p: sampling settings, scalars or one per prompt. temperature 0 is
         greedy; top_k 0 and top_p 1.0 disable those filters.
-      seed: row i samples from its own stream derived from (seed, i).
+      seed: int in [-2**31, 2**31); row i samples from its own stream derived from (seed, i).
       eos_token_id: int or list of ints that end a row (included in its output); None uses the
         model's eos_token_id; [] never stops early.
       draft_sampling: sample drafts from the draft distribution instead of taking its argmax.
@@ -243,15 +286,24 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
     Returns:
       GenerateOutput with .tokens (list[list[int]]) and .stats (acceptance_rate,
       mean_accepted_length, per_position_acceptance, steps, tokens_per_second, host_syncs, ...).
+      wall_time_s / tokens_per_second cover the whole call, so the first call with new shapes
+      includes compilation: time a second call (the benchmarks do).
     """
     cfg = target.config
     spec = SpecConfig(method=method, num_draft_tokens=num_draft_tokens, draft_sampling=draft_sampling)
     if method == "eagle-tree":
         raise NotImplementedError('method "eagle-tree" is not implemented yet')
+    if not isinstance(target, Model):
+        raise TypeError(f"target must be a specjax Model, got {type(target).__name__}")
     if method != "none":
         if draft is None:
             raise ValueError(f'method="{method}" needs a draft (draft=...)')
         check_draft(draft, target, method)
+    elif draft is not None:
+        raise ValueError('a draft was given with method="none": pass method="draft", "mtp" or '
+                         '"eagle" to speculate with it, or drop the draft')
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**31 <= seed < 2**31:
+        raise ValueError(f"seed must be an int in [-2**31, 2**31), got {seed!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
             or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -276,38 +328,43 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
     if longest + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the "
                          f"model's max length {cfg.max_position_embeddings}")
-    if eos_token_id is None:
-        eos = [] if cfg.eos_token_id is None else [cfg.eos_token_id]
-    elif isinstance(eos_token_id, (int, np.integer)):
-        eos = [int(eos_token_id)]
-    else:
-        eos = [int(e) for e in eos_token_id]
+    eos = _eos_list(eos_token_id, cfg)
 
-    lc = speculate.LoopConfig(method=method, k=spec.num_draft_tokens, draft_sampling=draft_sampling,
-                              attn_impl=attn_impl, page_size=page_size)
+    if method == "none":  # the baseline's compilation must not depend on draft settings
+        lc = speculate.LoopConfig(method="none", k=1, attn_impl=attn_impl, page_size=page_size)
+    else:
+        lc = speculate.LoopConfig(method=method, k=spec.num_draft_tokens,
+                                  draft_sampling=draft_sampling, attn_impl=attn_impl,
+                                  page_size=page_size)
     tp = _bucket(longest)
     k_eff = lc.k_eff
     out_len = _bucket(max_new_tokens) + k_eff + 1
     ppseq = kv_cache.pages_needed(tp + out_len + 2 * k_eff + 2, page_size)
-    tokens = np.zeros((b, tp), np.int32)
+    # Pad the batch to a bucket with dummy rows that finish at prefill (max_new = 1), so nearby
+    # batch sizes share one compilation; real rows' streams (seed, i) are unaffected.
+    bp = _batch_bucket(b)
+    tokens = np.zeros((bp, tp), np.int32)
     for i, r in enumerate(rows):
         tokens[i, :len(r)] = r
+    pad = bp - b
+    lens = [len(r) for r in rows] + [1] * pad
     rp = speculate.RowParams(
-        temperature=jnp.asarray(temps, jnp.float32), top_k=jnp.asarray(top_ks, jnp.int32),
-        top_p=jnp.asarray(top_ps, jnp.float32),
-        max_new=jnp.full((b,), max_new_tokens, jnp.int32),
-        eos_ids=jnp.asarray(eos + [-1] * (_bucket(len(eos) + 1, 1) - len(eos)), jnp.int32))
+        temperature=jnp.asarray([float(t_) for t_ in temps] + [0.0] * pad, jnp.float32),
+        top_k=jnp.asarray([min(int(k_), cfg.vocab_size) for k_ in top_ks] + [0] * pad, jnp.int32),
+        top_p=jnp.asarray([float(p_) for p_ in top_ps] + [1.0] * pad, jnp.float32),
+        max_new=jnp.asarray([int(max_new_tokens)] * b + [1] * pad, jnp.int32),
+        eos_ids=jnp.asarray(eos + [-1] * (_bucket(len(eos), 8) - len(eos)), jnp.int32))
     reads_before = host_reads()
     t0 = time.perf_counter()
     result = speculate.generate_device(
         target.params, None if draft is None else draft.params, jnp.asarray(tokens),
-        jnp.asarray([len(r) for r in rows], jnp.int32), rp, jnp.asarray(seed, jnp.int32),
+        jnp.asarray(lens, jnp.int32), rp, jnp.asarray(seed, jnp.int32),
         target_cfg=cfg, draft_cfg=None if draft is None else draft.config, lc=lc,
         num_pages_per_seq=ppseq, out_len=out_len)
     out_tokens, num_out, acc_pos, row_steps, steps = _to_host(result)
     elapsed = time.perf_counter() - t0
     toks = [out_tokens[i, :num_out[i]].tolist() for i in range(b)]
-    total = int(num_out.sum())
+    total = int(num_out[:b].sum())
     row_steps = max(int(row_steps), 1)
     accepted = int(acc_pos.sum()) if k_eff else 0
     stats = {

@@ -39,7 +39,7 @@ class ModelConfig:
     mlp_bias: bool = False
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # one id or several (Llama-3 style)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -84,7 +84,7 @@ class ModelConfig:
                 raise ValueError(f"rope_scaling type {kind!r} is not supported (llama3 or none)")
         eos = d.get("eos_token_id")
         if isinstance(eos, (list, tuple)):
-            eos = eos[0] if eos else None
+            eos = tuple(int(e) for e in eos) or None
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -107,9 +107,18 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """All stop ids as a tuple (empty when the model has none)."""
+        if self.eos_token_id is None:
+            return ()
+        return tuple(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
         d = dict(d)
+        if isinstance(d.get("eos_token_id"), list):
+            d["eos_token_id"] = tuple(d["eos_token_id"])
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         return cls(**d)

@@ -66,6 +66,7 @@ def write_layer(k_pages, v_pages, k_new, v_new, page_table, cache_start, valid):
     page_idx = slots // page_size
     valid = valid & (page_idx < page_table.shape[1]) & (slots >= 0)
     pages = jnp.take_along_axis(page_table, jnp.clip(page_idx, 0, page_table.shape[1] - 1), axis=1)
+    valid = valid & (pages >= 0) & (pages < num_pages)  # unallocated (-1) pages are never written
     pages = jnp.where(valid, pages, num_pages)  # out of range -> dropped
     offsets = slots % page_size
     pages, offsets = pages.reshape(-1), offsets.reshape(-1)  # [B*T]

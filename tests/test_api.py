@@ -35,6 +35,16 @@ def model():
     (dict(method="draft", draft="x"), "draft must be a specjax Model"),
     (dict(num_draft_tokens=0, method="draft"), "num_draft_tokens must be an int in \\[1, 64\\]"),
     (dict(page_size=0), "page_size"),
+    (dict(draft="x"), "draft was given with method=\"none\""),
+    (dict(seed=2**31), "seed must be an int"),
+    (dict(seed=1.5), "seed must be an int"),
+    (dict(seed=None), "seed must be an int"),
+    (dict(eos_token_id=64), "eos_token_id 64 is outside the vocabulary"),
+    (dict(eos_token_id="55"), "eos_token_id must be an int"),
+    (dict(eos_token_id=[1.5]), "eos_token_id must contain ints"),
+    (dict(eos_token_id=1.5), "eos_token_id must be an int"),
+    (dict(prompts=[[1.7, 2.2]]), "integer token ids"),
+    (dict(prompts=[[True]]), "integer token ids"),
 ])
 def test_bad_input_is_a_clear_error(model, kwargs, match):
     args = dict(prompts=[[1, 2, 3], [4]], max_new_tokens=4)
@@ -95,6 +105,32 @@ def test_top_k_one_is_greedy(model):
     topk1 = sj.generate(model, [[5, 6]] * 4, max_new_tokens=10, temperature=1.3, top_k=1,
                         eos_token_id=[]).tokens
     assert topk1 == greedy
+
+
+def test_batch_sizes_share_compilations(model):
+    from specjax import speculate
+    sj.generate(model, [[1, 2]] * 3, max_new_tokens=5, eos_token_id=[])
+    before = speculate.generate_device._cache_size()
+    a = sj.generate(model, [[1, 2], [3], [4, 5], [6]], max_new_tokens=5, eos_token_id=[4])
+    b = sj.generate(model, [[1, 2], [3], [4, 5]], max_new_tokens=7, eos_token_id=[4, 5],
+                    num_draft_tokens=2)  # ignored by method="none"
+    c = sj.generate(model, [[1, 2], [3], [4, 5]], max_new_tokens=5, eos_token_id=[4])
+    assert speculate.generate_device._cache_size() == before  # batch 3/4, eos 0-2 ids, k: one compile
+    assert a.tokens[:3] == c.tokens  # padding rows change nothing
+    assert len(b.tokens) == 3
+
+
+def test_multiple_eos_from_hf_config(model):
+    import dataclasses
+    free = sj.generate(model, [[1, 2, 3]], max_new_tokens=20, eos_token_id=[]).tokens[0]
+    multi = dataclasses.replace(model, config=dataclasses.replace(
+        model.config, eos_token_id=(free[6], free[3])))
+    assert sj.generate(multi, [[1, 2, 3]], max_new_tokens=20).tokens[0] == free[:4]
+    from specjax.config import ModelConfig
+    cfg = ModelConfig.from_hf_config(dict(vocab_size=8, hidden_size=4, intermediate_size=8,
+                                          num_hidden_layers=1, num_attention_heads=2,
+                                          eos_token_id=[3, 5]))
+    assert cfg.eos_token_ids == (3, 5)
 
 
 def test_numpy_scalars_accepted(model):
