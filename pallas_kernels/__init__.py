@@ -1,0 +1,1 @@
+"""Pallas attention kernels; each kernel file holds its plain-jnp ``*_reference`` twin."""
