@@ -54,6 +54,8 @@ def _load(args):
             args.method = args.method or ("draft" if isinstance(draft, sj.Model) else draft.config.kind)
         else:
             draft, draft_name, args.method = default_draft(target, args.method)
+    if args.k is None:
+        args.k = 1 if args.method == "mtp" else 4
     print(f"loaded {args.model} ({target.config.num_layers} layers) in "
           f"{time.perf_counter() - t0:.1f}s" + (f"; draft: {draft_name}" if draft_name else ""),
           file=sys.stderr)
@@ -165,7 +167,8 @@ def _common(p):
     p.add_argument("--model", default="smollm2-135m", help="model name, HF dir, .gguf or checkpoint")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: same as --model)")
     p.add_argument("--draft", default=None, help="draft model path (default: the shipped draft)")
-    p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=4)
+    p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=None,
+                   help="draft length (default: 1 for MTP heads, the one-token MTP case; else 4)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)

@@ -69,3 +69,15 @@ def test_perplexity_on_held_out_wikipedia(smol, tok):
     ppl = math.exp(nll / count)
     print(f"SmolLM2-135M perplexity on 24 held-out Wikipedia intros ({count} tokens): {ppl:.2f}")
     assert 8.0 < ppl < 30.0, ppl
+
+
+def test_shipped_mtp_head_is_lossless_and_accepted(smol, tok):
+    """The committed checkpoints/smollm2-mtp head loads, drafts losslessly and gets accepted."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    head = sj.load_draft(os.path.join(repo, "checkpoints", "smollm2-mtp"), target=smol)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Tell me about the Moon."}])
+    plain = sj.generate(smol, [ids], max_new_tokens=32, eos_token_id=[])
+    spec = sj.generate(smol, [ids], max_new_tokens=32, draft=head, method="mtp",
+                       num_draft_tokens=2, eos_token_id=[])
+    assert spec.tokens == plain.tokens
+    assert spec.stats["acceptance_rate"] > 0.1
