@@ -25,3 +25,24 @@ def tiny_pair():
     target = tiny_model(0)
     draft = tiny_model(1, hidden=16, layers=1, heads=2, kv_heads=1)
     return target, draft
+
+
+def count_host_reads(monkeypatch, fn):
+    """Calls fn once to compile, then again counting device->host reads (every host
+    materialisation of a jax Array goes through ArrayImpl._value). Returns (reads, fn's result)."""
+    from jax._src import array
+
+    fn()
+    orig = array.ArrayImpl._value
+    count = [0]
+
+    def counting(self):
+        count[0] += 1
+        return orig.fget(self)
+
+    monkeypatch.setattr(array.ArrayImpl, "_value", property(counting))
+    try:
+        out = fn()
+    finally:
+        monkeypatch.setattr(array.ArrayImpl, "_value", orig)
+    return count[0], out

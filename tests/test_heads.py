@@ -9,7 +9,7 @@ import specjax as sj
 from specjax import heads, kv_cache, speculate
 from specjax.heads import Head, HeadConfig, init_head
 from specjax.model import forward
-from tests.conftest import tiny_model
+from tests.conftest import count_host_reads, tiny_model
 from tests.test_speculative import ALPHA, N_ROWS, PROMPT, PROMPTS, V, _chi2_pvalue, _exact_joint
 
 KINDS = ["mtp", "eagle"]
@@ -126,23 +126,12 @@ def test_distribution_matches_target(dist_target, kind, draft_sampling):
 
 def test_one_token_mtp_has_no_host_sync_after_acceptance(target, monkeypatch):
     """k=1 MTP: acceptance, the shift and the head re-run all stay on device (reads do not grow)."""
-    from jax._src import array
     head = _head(target, "mtp")
-    orig = array.ArrayImpl._value
-    count = [0]
-
-    def counting(self):
-        count[0] += 1
-        return orig.fget(self)
 
     def reads(n):
         kw = dict(max_new_tokens=n, draft=head, method="mtp", num_draft_tokens=1, eos_token_id=[])
-        sj.generate(target, PROMPTS, **kw)
-        monkeypatch.setattr(array.ArrayImpl, "_value", property(counting))
-        count[0] = 0
-        out = sj.generate(target, PROMPTS, **kw)
-        monkeypatch.setattr(array.ArrayImpl, "_value", orig)
-        return count[0], out.stats["host_syncs"], out.stats["steps"]
+        count, out = count_host_reads(monkeypatch, lambda: sj.generate(target, PROMPTS, **kw))
+        return count, out.stats["host_syncs"], out.stats["steps"]
 
     (r32, s32, st32), (r128, s128, st128) = reads(32), reads(128)
     assert st128 > st32 >= 31

@@ -12,7 +12,7 @@ from scipy import stats as sps
 import specjax as sj
 from specjax import acceptance, sampling
 from specjax.io.hf import save_hf_dir
-from tests.conftest import tiny_model
+from tests.conftest import count_host_reads, tiny_model
 
 PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 2]]
 ALPHA = 1e-3  # significance of every distribution test in this file
@@ -90,25 +90,14 @@ def test_self_draft_accepts_everything(tiny_pair, k, draft_sampling):
 
 def test_no_host_sync_inside_generation(tiny_pair, monkeypatch):
     """Device->host reads (every path through ArrayImpl._value) do not grow with length."""
-    from jax._src import array
     target, draft = tiny_pair
-    orig = array.ArrayImpl._value
-    count = [0]
-
-    def counting(self):
-        count[0] += 1
-        return orig.fget(self)
 
     def reads(n):
-        sj.generate(target, PROMPTS, max_new_tokens=n, draft=draft, method="draft",
-                    num_draft_tokens=3, eos_token_id=[])  # compile outside the count
-        monkeypatch.setattr(array.ArrayImpl, "_value", property(counting))
-        count[0] = 0
-        out = sj.generate(target, PROMPTS, max_new_tokens=n, draft=draft, method="draft",
-                          num_draft_tokens=3, eos_token_id=[])
-        monkeypatch.setattr(array.ArrayImpl, "_value", orig)
+        count, out = count_host_reads(monkeypatch, lambda: sj.generate(
+            target, PROMPTS, max_new_tokens=n, draft=draft, method="draft", num_draft_tokens=3,
+            eos_token_id=[]))
         assert all(len(t) == n for t in out.tokens)
-        return count[0], out.stats["host_syncs"]
+        return count, out.stats["host_syncs"]
 
     r32, r128 = reads(32), reads(128)
     assert r32 == r128
