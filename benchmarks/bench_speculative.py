@@ -37,10 +37,8 @@ from specjax.train.corpora import chat_prompts
 
 def time_forward(model, t: int, context: int, repeats: int = 15) -> float:
     """Median seconds of one jitted forward over t new tokens after `context` cached tokens (B=1)."""
-    cfg, page = model.config, 16
-    ppseq = kv_cache.pages_needed(context + t + 16, page)
-    kv = kv_cache.init_cache(cfg, ppseq, page, model.dtype)
-    pt = kv_cache.contiguous_page_table(1, ppseq)
+    cfg = model.config
+    kv, pt = kv_cache.init_contiguous(cfg, 1, context + t + 16, dtype=model.dtype)
     toks = jnp.ones((1, t), jnp.int32)
     pos = context + jnp.arange(t, dtype=jnp.int32)[None]
     start = jnp.asarray([context], jnp.int32)

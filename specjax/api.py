@@ -185,12 +185,9 @@ def _check_tokens(ids: Sequence[int], vocab: int, what: str) -> list[int]:
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _logits_jit(params, cfg, tokens, length):
     t = tokens.shape[1]  # padded to a bucket; rows beyond `length` are padding
-    page = 16
-    ppseq = kv_cache.pages_needed(t, page)
-    kv = kv_cache.init_cache(cfg, ppseq, page, params["embed"].dtype)
+    kv, page_table = kv_cache.init_contiguous(cfg, 1, t, dtype=params["embed"].dtype)
     pos = jnp.arange(t, dtype=jnp.int32)[None, :]
-    logits, _, _ = forward(params, cfg, tokens, pos, kv,
-                           kv_cache.contiguous_page_table(1, ppseq), jnp.zeros((1,), jnp.int32),
+    logits, _, _ = forward(params, cfg, tokens, pos, kv, page_table, jnp.zeros((1,), jnp.int32),
                            length[None])
     return logits[0]
 
@@ -248,14 +245,14 @@ def _eos_list(eos_token_id, cfg: ModelConfig) -> list[int]:
     return [int(e) for e in ids]
 
 
-def _per_row(value, n: int, name: str, cast):
+def _per_row(value, n: int, name: str):
     if isinstance(value, (np.ndarray, jax.Array)):
         value = value.tolist()  # a 0-d array becomes a scalar
     if isinstance(value, (list, tuple)):
         if len(value) != n:
             raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
-        return [cast(v) for v in value]
-    return [cast(value)] * n
+        return list(value)
+    return [value] * n
 
 
 def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, method: str = "none",
@@ -319,9 +316,9 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
     rows = [_check_tokens(p, cfg.vocab_size, f"prompts[{i}]") for i, p in enumerate(prompts)]
     b = len(rows)
-    temps = _per_row(temperature, b, "temperature", lambda v: v)
-    top_ks = _per_row(top_k, b, "top_k", lambda v: v)
-    top_ps = _per_row(top_p, b, "top_p", lambda v: v)
+    temps = _per_row(temperature, b, "temperature")
+    top_ks = _per_row(top_k, b, "top_k")
+    top_ps = _per_row(top_p, b, "top_p")
     for t_, k_, p_ in zip(temps, top_ks, top_ps):
         validate_sampling(t_, k_, p_)
     longest = max(len(r) for r in rows)

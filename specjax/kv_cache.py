@@ -95,6 +95,17 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def init_contiguous(cfg: ModelConfig, batch: int, num_tokens: int, page_size: int = 16,
+                    dtype=jnp.float32):
+    """A cache of ``batch`` sequences of up to ``num_tokens`` tokens with contiguous pages.
+
+    Returns (KVCache, page_table [B, Pmax]) for one-shot forwards (teacher forcing, training).
+    """
+    per_seq = pages_needed(num_tokens, page_size)
+    return (init_cache(cfg, batch * per_seq, page_size, dtype),
+            contiguous_page_table(batch, per_seq))
+
+
 def contiguous_page_table(batch: int, pages_per_seq: int):
     """A page table giving row b the pages [b*pages_per_seq, (b+1)*pages_per_seq)."""
     return jnp.arange(batch * pages_per_seq, dtype=jnp.int32).reshape(batch, pages_per_seq)

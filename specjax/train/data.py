@@ -92,15 +92,13 @@ def collect_hidden(target: Model, corpus_dir: str, out_dir: str, *, seq_len: int
     """
     os.makedirs(out_dir, exist_ok=True)
     cfg = target.config
-    page = 16
-    ppseq = kv_cache.pages_needed(seq_len, page)
 
     @jax.jit
     def run(params, tokens, lens):
         b = tokens.shape[0]
-        kv = kv_cache.init_cache(cfg, b * ppseq, page, params["embed"].dtype)
+        kv, page_table = kv_cache.init_contiguous(cfg, b, seq_len, dtype=params["embed"].dtype)
         pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (b, seq_len))
-        _, hidden, _ = forward(params, cfg, tokens, pos, kv, kv_cache.contiguous_page_table(b, ppseq),
+        _, hidden, _ = forward(params, cfg, tokens, pos, kv, page_table,
                                jnp.zeros((b,), jnp.int32), lens, return_logits=False)
         return hidden.astype(jnp.float16)
 

@@ -44,9 +44,7 @@ class TrainConfig:
 
 
 def _paged(b, t, cfg):
-    page = 16
-    ppseq = kv_cache.pages_needed(t, page)
-    return (kv_cache.init_cache(cfg, b * ppseq, page), kv_cache.contiguous_page_table(b, ppseq),
+    return (*kv_cache.init_contiguous(cfg, b, t),
             jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
 
 
