@@ -137,11 +137,11 @@ def check_draft(draft, target: Model, method: str = "draft") -> None:
     """Raises a clear error when ``draft`` cannot draft for ``target`` with ``method``."""
     from specjax.heads import Head  # noqa: PLC0415
 
-    if method in ("mtp", "eagle"):
+    if method in ("mtp", "eagle", "eagle-tree"):
         if not isinstance(draft, Head):
             raise TypeError(f'method="{method}" needs a draft head (specjax.heads.Head), got '
                             f"{type(draft).__name__}")
-        if draft.config.kind != method:
+        if method != "eagle-tree" and draft.config.kind != method:
             raise ValueError(f'method="{method}" got a {draft.config.kind!r} head')
         lc, tc = draft.config.layer, target.config
         if (lc.hidden_size, lc.vocab_size) != (tc.hidden_size, tc.vocab_size):
@@ -258,7 +258,8 @@ def _per_row(value, n: int, name: str):
 def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, method: str = "none",
              num_draft_tokens: int = 4, temperature=0.0, top_k=0, top_p=1.0, seed: int = 0,
              eos_token_id=None, *, tokenizer=None, draft_sampling: bool = False,
-             page_size: int = 16, attn_impl: str = "reference") -> GenerateOutput:
+             page_size: int = 16, attn_impl: str = "reference", tree=None,
+             mesh=None) -> GenerateOutput:
     """Generates continuations for a batch of prompts, speculatively or plainly.
 
     The whole generation (prefill + every step) is one jitted call with a ``lax.while_loop`` on
@@ -271,7 +272,8 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
       max_new_tokens: >= 1 tokens to generate per prompt (fewer if EOS comes first).
       draft: the draft Model for method "draft"; a specjax.heads.Head for "mtp" / "eagle".
       method: "none" (plain decoding, the baseline), "draft" (a separate draft LLM), "mtp" or
-        "eagle" (a head fed by the target's hidden states).
+        "eagle" (a head fed by the target's hidden states, drafting a chain), "eagle-tree" (the
+        head drafts a tree, see ``tree``).
       num_draft_tokens: k, the draft length (1..64).
       temperature, top_k, top_p: sampling settings, scalars or one per prompt. temperature 0 is
         greedy; top_k 0 and top_p 1.0 disable those filters.
@@ -280,6 +282,10 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         model's eos_token_id; [] never stops early.
       draft_sampling: sample drafts from the draft distribution instead of taking its argmax.
       page_size: KV page size in tokens; attn_impl: "reference" or "pallas".
+      mesh: run tensor/data-parallel on a ``specjax.sharding.make_mesh(tp=..., dp=...)`` mesh
+        (or a ``sharding.ShardingPlan`` choosing the draft's placement); None: one device.
+      tree: specjax.tree.TreeConfig for method "eagle-tree" (default: the EAGLE-2 dynamic tree,
+        depth 4, top_k 4, 16 nodes); num_draft_tokens is ignored there.
     Returns:
       GenerateOutput with .tokens (list[list[int]]) and .stats (acceptance_rate,
       mean_accepted_length, per_position_acceptance, steps, tokens_per_second, host_syncs, ...).
@@ -289,7 +295,15 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
     cfg = target.config
     spec = SpecConfig(method=method, num_draft_tokens=num_draft_tokens, draft_sampling=draft_sampling)
     if method == "eagle-tree":
-        raise NotImplementedError('method "eagle-tree" is not implemented yet')
+        from specjax.tree import TreeConfig  # noqa: PLC0415
+        tree = TreeConfig() if tree is None else tree
+        if not isinstance(tree, TreeConfig):
+            raise TypeError(f"tree must be a specjax.tree.TreeConfig, got {type(tree).__name__}")
+        if draft_sampling:
+            raise ValueError('draft_sampling=True is not supported with method="eagle-tree": tree '
+                             "nodes are the head's top-k tokens (acceptance stays lossless)")
+    elif tree is not None:
+        raise ValueError(f'tree=... is only used with method="eagle-tree", got method={method!r}')
     if not isinstance(target, Model):
         raise TypeError(f"target must be a specjax Model, got {type(target).__name__}")
     if method != "none":
@@ -331,15 +345,21 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         lc = speculate.LoopConfig(method="none", k=1, attn_impl=attn_impl, page_size=page_size)
     else:
         lc = speculate.LoopConfig(method=method, k=spec.num_draft_tokens,
-                                  draft_sampling=draft_sampling, attn_impl=attn_impl,
-                                  page_size=page_size)
+                                  draft_sampling=draft_sampling,
+                                  attn_impl=attn_impl, page_size=page_size, tree=tree)
     tp = _bucket(longest)
     k_eff = lc.k_eff
     out_len = _bucket(max_new_tokens) + k_eff + 1
-    ppseq = kv_cache.pages_needed(tp + out_len + 2 * k_eff + 2, page_size)
+    ppseq = kv_cache.pages_needed(tp + out_len + k_eff + 1 + lc.extra_slots, page_size)
     # Pad the batch to a bucket with dummy rows that finish at prefill (max_new = 1), so nearby
     # batch sizes share one compilation; real rows' streams (seed, i) are unaffected.
     bp = _batch_bucket(b)
+    run = speculate.generate_device
+    if mesh is not None:  # batch rows split over the mesh's dp axis
+        from specjax import sharding  # noqa: PLC0415
+        plan = sharding.as_plan(mesh)
+        bp = -(-bp // plan.dp) * plan.dp
+        run = functools.partial(sharding.generate_device, plan)
     tokens = np.zeros((bp, tp), np.int32)
     for i, r in enumerate(rows):
         tokens[i, :len(r)] = r
@@ -353,7 +373,7 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         eos_ids=jnp.asarray(eos + [-1] * (_bucket(len(eos), 8) - len(eos)), jnp.int32))
     reads_before = host_reads()
     t0 = time.perf_counter()
-    result = speculate.generate_device(
+    result = run(
         target.params, None if draft is None else draft.params, jnp.asarray(tokens),
         jnp.asarray(lens, jnp.int32), rp, jnp.asarray(seed, jnp.int32),
         target_cfg=cfg, draft_cfg=None if draft is None else draft.config, lc=lc,

@@ -24,6 +24,13 @@ verification the device shifts the verify tokens one left, inserts y at index a,
 head over all k+1 positions j = n-1..n+k-1 with the *target's* features (the one-token MTP
 schedule: no host sync; work on rejected positions is wasted but keeps shapes static). That
 re-run rewrites the head's K/V with the accurate features and gives the next carried logits.
+
+Method "eagle-tree" drafts a tree with the head (specjax.tree: static or EAGLE-2 dynamic),
+verifies its N + 1 tokens (root x_{n-1} first) in one target forward with the ancestor mask among
+them (the prefix is unmasked), accepts a root-to-node path of depth a (greedy or lossless
+recursive rejection over siblings), moves the path's target K/V from tree-node slots into cache
+order (slot n-1+i <- slot n-1+node_i), and re-runs the head over the accepted path with the
+target's features exactly like the chain's shift: same invariants afterwards.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax import acceptance, heads, kv_cache, sampling
+from specjax import acceptance, heads, kv_cache, sampling, tree
 from specjax.model import forward, lm_head
 
 
@@ -42,19 +49,34 @@ from specjax.model import forward, lm_head
 class LoopConfig:
     """Static description of a decode loop (a jit static argument)."""
 
-    method: str = "none"  # "none" | "draft" | "mtp" | "eagle"
-    k: int = 4  # draft length (ignored for "none")
+    method: str = "none"  # "none" | "draft" | "mtp" | "eagle" | "eagle-tree"
+    k: int = 4  # draft length (ignored for "none"; the tree's depth for "eagle-tree")
     draft_sampling: bool = False  # sample drafts from q (True) or point-mass argmax (False)
     attn_impl: str = "reference"
     page_size: int = 16
+    tree: tree.TreeConfig | None = None  # method "eagle-tree" only
+
+    def __post_init__(self):
+        if (self.method == "eagle-tree") != (self.tree is not None):
+            raise ValueError('LoopConfig.tree must be given exactly when method == "eagle-tree"')
 
     @property
     def k_eff(self) -> int:
-        return 0 if self.method == "none" else self.k
+        """Most drafts one step can accept (0 for plain decoding)."""
+        if self.method == "none":
+            return 0
+        return self.tree.max_depth if self.tree is not None else self.k
 
     @property
     def uses_head(self) -> bool:
-        return self.method in ("mtp", "eagle")
+        return self.method in ("mtp", "eagle", "eagle-tree")
+
+    @property
+    def extra_slots(self) -> int:
+        """Cache slots one step may write beyond the committed length (page allocation)."""
+        if self.tree is not None:
+            return max(self.tree.n + 1, self.tree.draft_slots, self.k_eff + 1)
+        return self.k_eff + 1
 
 
 @jax.tree_util.register_dataclass
@@ -110,6 +132,18 @@ def _accept(keys, d, logits, q, rp: RowParams):
     def greedy():
         a, y = acceptance.accept_greedy(d, logits)
         return a.astype(jnp.int32), y.astype(jnp.int32)
+
+    return lax.cond(jnp.all(rp.temperature <= 0.0), greedy, general)
+
+
+def _accept_tree(keys, tokens, parents, depth, logits, rp: RowParams, max_depth: int):
+    """Tree acceptance; an all-greedy batch follows the target's argmax directly."""
+    def general():
+        return tree.accept_tree(keys, tokens, parents, depth, _process(logits, rp),
+                                max_depth=max_depth)
+
+    def greedy():
+        return tree.accept_tree(keys, tokens, parents, depth, None, logits, max_depth=max_depth)
 
     return lax.cond(jnp.all(rp.temperature <= 0.0), greedy, general)
 
@@ -249,6 +283,8 @@ def spec_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeS
     active = ~state.done
     acc_keys = _step_keys(state.row_keys, state.step, 2)
 
+    if lc.method == "eagle-tree":
+        return _tree_step(target_params, target_cfg, draft_params, draft_cfg, state, rp, lc)
     if k == 0:  # plain decoding through the same machinery
         logits, _, target_kv = forward(target_params, target_cfg, state.last_token[:, None],
                                        (n - 1)[:, None], state.target_kv, state.page_table, n - 1,
@@ -297,6 +333,60 @@ def spec_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeS
         last_token=jnp.where(active, y, state.last_token),
         draft_logits=draft_logits, head_hidden=head_hidden, out_tokens=out, num_out=num_out, done=done,
         step=state.step + 1,
+        accepted_per_pos=state.accepted_per_pos + accepted.astype(jnp.int32),
+        row_steps=state.row_steps + jnp.sum(active, dtype=jnp.int32))
+
+
+def _tree_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
+               rp: RowParams, lc: LoopConfig) -> DecodeState:
+    """One tree-drafting step (method "eagle-tree"); see the module docstring."""
+    tc = lc.tree
+    n = state.lengths
+    active = ~state.done
+    d_max = tc.max_depth
+    page_table = state.page_table
+    draft_kv = [state.draft_kv]  # threaded through the level-by-level head runs
+
+    def head_run(tokens, feats, positions, mask, num_new):
+        hh, draft_kv[0] = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg,
+                                             tokens, feats, positions, draft_kv[0], page_table,
+                                             n - 1, num_new, mask, attn_impl=lc.attn_impl)
+        return hh
+
+    def head_logits(h):
+        return heads.head_logits(draft_params, draft_cfg, target_params, target_cfg, h)
+
+    tokens, parents, depth = tree.draft_tree(tc, state.draft_logits, state.head_hidden, n,
+                                             head_run, head_logits)  # [B,N], [B,N+1], [B,N+1]
+    verify_tokens = jnp.concatenate([state.last_token[:, None], tokens], axis=1)  # [B, N+1]
+    positions = (n - 1)[:, None] + depth
+    logits, hidden, target_kv = forward(target_params, target_cfg, verify_tokens, positions,
+                                        state.target_kv, page_table, n - 1,
+                                        new_mask=tree.ancestor_mask(parents), attn_impl=lc.attn_impl)
+    acc_keys = _step_keys(state.row_keys, state.step, 2)
+    a, y, path = _accept_tree(acc_keys, tokens, parents, depth, logits, rp, d_max)  # path [B, D+1]
+    path_tokens = jnp.take_along_axis(verify_tokens, path[:, 1:], axis=1)  # [B, D]
+    idx = jnp.arange(d_max + 1, dtype=jnp.int32)[None, :]
+    emitted = jnp.where(idx == a[:, None], y[:, None], jnp.pad(path_tokens, ((0, 0), (0, 1))))
+    # The accepted path's K/V into cache order (root already sits at n - 1).
+    target_kv = tree.copy_slots(target_kv, page_table, n - 1, path, jnp.where(active, a + 1, 0))
+    # Head re-run over the accepted path with the target's features (as the chain's shift).
+    feats = heads.head_features(target_params, target_cfg,
+                                jnp.take_along_axis(hidden, path[:, :, None], axis=1), draft_cfg)
+    hh, new_draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg,
+                                          emitted, feats, (n - 1)[:, None] + idx, draft_kv[0],
+                                          page_table, n - 1, a + 1, attn_impl=lc.attn_impl)
+    h_a = jnp.take_along_axis(hh, a[:, None, None], axis=1)[:, 0]  # [B, E]
+    new_logits = head_logits(h_a)
+    out, num_out, done = _emit(state, emitted, a + 1, rp)
+    accepted = jnp.sum((jnp.arange(d_max)[None, :] < a[:, None]) & active[:, None], axis=0)
+    return dataclasses.replace(
+        state, target_kv=target_kv, draft_kv=new_draft_kv,
+        lengths=jnp.where(active, n + a + 1, n),
+        last_token=jnp.where(active, y, state.last_token),
+        draft_logits=jnp.where(active[:, None], new_logits, state.draft_logits),
+        head_hidden=jnp.where(active[:, None], h_a, state.head_hidden),
+        out_tokens=out, num_out=num_out, done=done, step=state.step + 1,
         accepted_per_pos=state.accepted_per_pos + accepted.astype(jnp.int32),
         row_steps=state.row_steps + jnp.sum(active, dtype=jnp.int32))
 
