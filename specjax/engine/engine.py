@@ -1,0 +1,553 @@
+"""The serving engine: submission, the overlapped step loop, streaming, metrics.
+
+Usage::
+
+    engine = Engine(target, draft, EngineConfig(method="draft", num_draft_tokens=4, max_slots=8))
+    engine.warmup()                                   # compile every bucket once
+    h = engine.submit([1, 2, 3], RequestParams(max_tokens=32, temperature=0.7, seed=1))
+    for tok in h: ...                                 # stream (drives the engine if no thread)
+    engine.start()                                    # or: serve from a background thread
+    ...; engine.stop()
+
+One ``step()`` = plan the next batch on the host, dispatch its device step (JAX returns at once:
+async dispatch), and read back the results of an earlier step. The two schedules of SPEC.md
+section 6 differ in where the one blocking read sits:
+
+* ``"sync"`` (draft-target): plan step t+1 while step t runs on the device (the plan uses
+  upper-bound lengths), then block on step t's accepted tokens (the one host sync per step),
+  drop rows that just finished, pack and dispatch t+1; streaming callbacks and metrics for step
+  t run while t+1 executes.
+* ``"async"`` (one-token MTP, also used for plain decoding): step t+1 is planned and dispatched
+  *before* step t's accepted lengths are read: the device computes the next inputs itself (last
+  token, lengths and carried draft state live in its slot state), and the host reads t's lengths
+  while t+1 runs. The device never waits for the host; the cost is at most one wasted row-step
+  per finished request and a page of extra allocation ahead.
+
+Determinism: a greedy request's output depends only on its prompt and parameters (it equals the
+target's own greedy decoding, whatever the batch, arrival order, preemption, schedule or
+speculation method, up to floating-point reassociation across batch shapes). A sampled request
+draws every token from the target's exact distribution (lossless acceptance); its random stream
+at position p is ``fold_in(key(seed), p)``, so with method "none" a seeded request's tokens do not
+depend on batching, preemption or schedule either; with speculation they also depend on which
+steps speculated (batch composition), i.e. they are reproducible for the same arrival sequence.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import numbers
+import queue
+import threading
+import time
+import warnings
+
+import jax
+import numpy as np
+
+from specjax.api import _check_tokens, check_draft
+from specjax.config import validate_sampling
+from specjax.engine import steps
+from specjax.engine.allocator import PageAllocator
+from specjax.engine.metrics import EngineMetrics
+from specjax.engine.scheduler import FINISHED, Request, Scheduler, bucket
+from specjax.kv_cache import pages_needed
+from specjax.model import Model
+from specjax.speculate import LoopConfig
+
+METHODS = ("none", "draft", "mtp", "eagle")
+SCHEDULES = ("sync", "async")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestParams:
+    """Per-request generation settings.
+
+    max_tokens: >= 1 tokens to generate (fewer if a stop token comes first; it is included).
+    temperature, top_k, top_p: as ``sj.generate`` (0 = greedy; top_k 0 / top_p 1.0 = off).
+    seed: int in [-2**31, 2**31) for a reproducible stream, None for one drawn by the engine.
+    stop_token_ids: ids that end the request; None = the model's EOS ids; () = never stop early.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static engine settings.
+
+    method / num_draft_tokens / draft_sampling: as ``sj.generate``.
+    max_slots: S, requests resident at once (= the largest batch bucket).
+    batch_buckets: static batch sizes a step is padded to (default: powers of two up to S, and S).
+    token_buckets: static prefill-chunk widths T (prompts longer than the largest are chunked).
+    max_prefill_tokens: prefill tokens per step (None: no limit beyond slots and buckets).
+    max_model_len: prompt + max_tokens limit per request.
+    num_pages: KV pages shared by target and draft (default: S full-length sequences, so no
+      preemption); at least one full-length sequence.
+    schedule: "sync" or "async" (module docstring); None = "sync" for "draft", else "async".
+    spec_max_batch: speculate only while the decode batch has at most this many rows; larger
+      batches decode plainly (None = always speculate).
+    seed: seeds the streams of requests submitted without one.
+    record_timeline: keep per-step host/device timestamps in ``Engine.timeline``.
+    """
+
+    method: str = "none"
+    num_draft_tokens: int = 4
+    draft_sampling: bool = False
+    max_slots: int = 8
+    batch_buckets: tuple | None = None
+    token_buckets: tuple = (16, 64)
+    max_prefill_tokens: int | None = None
+    max_model_len: int = 512
+    num_pages: int | None = None
+    page_size: int = 16
+    schedule: str | None = None
+    spec_max_batch: int | None = None
+    attn_impl: str = "reference"
+    seed: int = 0
+    record_timeline: bool = False
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+class RequestHandle:
+    """A submitted request: stream its tokens (iterate) or wait for all of them (``result``).
+
+    Iteration yields token ids as steps deliver them (a speculative step delivers several at once).
+    Without a background thread, iterating or ``result()`` drives ``engine.step()`` itself.
+    Attributes: ``id``, ``prompt``, ``tokens`` (delivered so far), ``finished``,
+    ``finish_reason`` ("stop" or "length").
+    """
+
+    def __init__(self, engine: "Engine", req_id: int, prompt: list):
+        self.id = req_id
+        self.prompt = prompt
+        self.tokens: list = []
+        self.finished = False
+        self.finish_reason = None
+        self.callback_error = None
+        self._engine = engine
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Event()
+
+    def _push(self, new, reason) -> None:
+        self.tokens.extend(new)
+        if reason is not None:
+            self.finish_reason = reason
+            self.finished = True
+        self._queue.put((new, reason))
+        if reason is not None:
+            self._done.set()
+
+    def _next_chunk(self):
+        while True:
+            try:
+                return self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            if self._engine.serving:
+                try:
+                    return self._queue.get(timeout=0.1)
+                except queue.Empty:
+                    self._engine._raise_if_failed()
+                    continue
+            if not self._engine.step() and self._queue.empty():
+                raise RuntimeError(f"request {self.id} cannot finish: the engine has no work")
+
+    def __iter__(self):
+        while True:
+            new, reason = self._next_chunk()
+            yield from new
+            if reason is not None:
+                return
+
+    def result(self, timeout: float | None = None) -> list:
+        """Blocks until the request finishes; returns all its generated tokens."""
+        if self._engine.serving:
+            if not self._done.wait(timeout):
+                self._engine._raise_if_failed()
+                raise TimeoutError(f"request {self.id} not finished after {timeout} s")
+        else:
+            while not self._done.is_set():
+                if not self._engine.step() and not self._done.is_set():
+                    raise RuntimeError(f"request {self.id} cannot finish: the engine has no work")
+        return list(self.tokens)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    plan: object
+    outputs: tuple
+    dispatched_at: float
+    index: int
+
+
+class Engine:
+    """Continuous-batching speculative decoding server over one target (+ draft).
+
+    Args:
+      target: the target Model.
+      draft: a draft Model (method "draft") or a heads.Head (method "mtp" / "eagle"), else None.
+      config: EngineConfig (keyword overrides are applied on top).
+    """
+
+    def __init__(self, target: Model, draft=None, config: EngineConfig | None = None, **overrides):
+        cfg = dataclasses.replace(config or EngineConfig(), **overrides)
+        if not isinstance(target, Model):
+            raise TypeError(f"target must be a specjax Model, got {type(target).__name__}")
+        if cfg.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {cfg.method!r}")
+        if cfg.method == "none" and draft is not None:
+            raise ValueError('a draft was given with method="none"')
+        if cfg.method != "none":
+            if draft is None:
+                raise ValueError(f'method="{cfg.method}" needs a draft')
+            check_draft(draft, target, cfg.method)
+        if not _is_int(cfg.num_draft_tokens) or not 1 <= cfg.num_draft_tokens <= 64:
+            raise ValueError(f"num_draft_tokens must be an int in [1, 64], got {cfg.num_draft_tokens!r}")
+        if not _is_int(cfg.max_slots) or cfg.max_slots < 1:
+            raise ValueError(f"max_slots must be an int >= 1, got {cfg.max_slots!r}")
+        schedule = cfg.schedule or ("sync" if cfg.method == "draft" else "async")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {cfg.schedule!r}")
+        if not _is_int(cfg.max_model_len) or not 2 <= cfg.max_model_len <= \
+                target.config.max_position_embeddings:
+            raise ValueError(f"max_model_len must be an int in [2, "
+                             f"{target.config.max_position_embeddings}], got {cfg.max_model_len!r}")
+        batch_buckets = cfg.batch_buckets
+        if batch_buckets is None:
+            batch_buckets = tuple(sorted({min(2 ** i, cfg.max_slots)
+                                          for i in range(cfg.max_slots.bit_length() + 1)}))
+        batch_buckets = tuple(sorted(set(batch_buckets)))
+        token_buckets = tuple(sorted(set(cfg.token_buckets)))
+        if not batch_buckets or batch_buckets[-1] != cfg.max_slots or batch_buckets[0] < 1:
+            raise ValueError(f"batch_buckets {batch_buckets} must be >= 1 and end at max_slots "
+                             f"{cfg.max_slots}")
+        if not token_buckets or token_buckets[0] < 1:
+            raise ValueError(f"token_buckets must be positive, got {cfg.token_buckets}")
+
+        self.target, self.draft, self.config = target, draft, cfg
+        self.schedule = schedule
+        self.batch_buckets, self.token_buckets = batch_buckets, token_buckets
+        self.k_eff = 0 if cfg.method == "none" else cfg.num_draft_tokens
+        lc = LoopConfig(method=cfg.method, k=max(cfg.num_draft_tokens if self.k_eff else 1, 1),
+                        draft_sampling=cfg.draft_sampling, attn_impl=cfg.attn_impl,
+                        page_size=cfg.page_size)
+        pages_per_seq = pages_needed(cfg.max_model_len + 2 * (self.k_eff + 1), cfg.page_size)
+        num_pages = cfg.num_pages or cfg.max_slots * pages_per_seq
+        if num_pages < pages_per_seq:
+            raise ValueError(f"num_pages {num_pages} cannot hold one sequence of max_model_len "
+                             f"{cfg.max_model_len} (needs {pages_per_seq} pages of {cfg.page_size})")
+        self.sc = steps.StepConfig(lc=lc, num_slots=cfg.max_slots, pages_per_seq=pages_per_seq)
+        self._draft_params = None if draft is None else draft.params
+        self._draft_cfg = None if draft is None else draft.config
+        self._state = steps.init_state(target.config, self._draft_cfg, self.sc, num_pages,
+                                       target.dtype)
+        self.allocator = PageAllocator(num_pages, cfg.page_size)
+        self.scheduler = Scheduler(
+            self.allocator, num_slots=cfg.max_slots, token_buckets=token_buckets, k_eff=self.k_eff,
+            speculative=self.k_eff > 0, spec_max_batch=cfg.spec_max_batch,
+            pages_per_seq=pages_per_seq, max_prefill_tokens=cfg.max_prefill_tokens)
+        self.metrics = EngineMetrics(self.k_eff)
+        self.timeline: list = []
+        self.host_time_s = 0.0  # time in step() not spent blocked on the device
+        self.blocked_time_s = 0.0  # time in step() blocked reading device results
+        self.num_steps = 0
+        self._inflight: collections.deque = collections.deque()
+        self._outbox: list = []
+        self._submitted: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self._rng = np.random.default_rng(cfg.seed)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread = None
+        self._stop_flag = False
+        self._failure = None
+        self._stop_ids = tuple(target.config.eos_token_ids)
+
+    # ------------------------------------------------------------------------- submission
+    def submit(self, prompt, params: RequestParams | None = None, *, callback=None) -> RequestHandle:
+        """Validates and queues a request; safe to call from any thread while the engine runs.
+
+        Args:
+          prompt: token ids (non-empty, each in [0, V)).
+          params: RequestParams (default: greedy, 16 tokens, the model's EOS).
+          callback: optional ``callback(handle, new_tokens)`` called as tokens arrive (on the
+            engine's thread; exceptions are stored in ``handle.callback_error``).
+        Raises:
+          ValueError / TypeError for a bad prompt or parameters; nothing is queued then.
+        """
+        params = RequestParams() if params is None else params
+        if not isinstance(params, RequestParams):
+            raise TypeError(f"params must be a RequestParams, got {type(params).__name__}")
+        v = self.target.config.vocab_size
+        ids = _check_tokens(prompt, v, "prompt")
+        validate_sampling(params.temperature, params.top_k, params.top_p)
+        if not _is_int(params.max_tokens) or params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {params.max_tokens!r}")
+        limit = self.config.max_model_len
+        if len(ids) + params.max_tokens > limit:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} exceeds "
+                             f"max_model_len {limit}")
+        if params.seed is not None and (not _is_int(params.seed) or not -2**31 <= params.seed < 2**31):
+            raise ValueError(f"seed must be None or an int in [-2**31, 2**31), got {params.seed!r}")
+        stop = self._stop_ids if params.stop_token_ids is None else params.stop_token_ids
+        if isinstance(stop, (str, bytes)) or not hasattr(stop, "__iter__"):
+            raise ValueError(f"stop_token_ids must be a sequence of ints, got {stop!r}")
+        stop = tuple(stop)
+        for s in stop:
+            if not _is_int(s) or not 0 <= s < v:
+                raise ValueError(f"stop token {s!r} is not an id in [0, {v})")
+        with self._lock:
+            rid = next(self._ids)
+            seed = params.seed if params.seed is not None else int(self._rng.integers(-2**31, 2**31))
+        handle = RequestHandle(self, rid, ids)
+        req = Request(id=rid, prompt=ids, max_tokens=int(params.max_tokens),
+                      temperature=float(params.temperature), top_k=min(int(params.top_k), v),
+                      top_p=float(params.top_p), seed=int(seed), stop=frozenset(stop),
+                      arrival=time.perf_counter(), handle=handle, callback=callback)
+        self._submitted.put(req)
+        self._wake.set()
+        return handle
+
+    def generate(self, prompts, params: RequestParams | None = None) -> list:
+        """Submits every prompt and runs until all finish; returns their token lists."""
+        handles = [self.submit(p, params) for p in prompts]
+        if not self.serving:
+            self.run()
+        return [h.result() for h in handles]
+
+    # ------------------------------------------------------------------------- the loop
+    @property
+    def serving(self) -> bool:
+        return self._thread is not None
+
+    def has_work(self) -> bool:
+        s = self.scheduler
+        return bool(s.waiting or s.running or self._inflight or self._outbox
+                    or not self._submitted.empty())
+
+    def step(self) -> bool:
+        """One iteration: plan + dispatch the next step, read back an earlier one, stream.
+
+        Returns whether work remains.
+        """
+        t0 = time.perf_counter()
+        blocked = 0.0
+        self._drain_submissions()
+        plan = self.scheduler.schedule(t0)
+        t_planned = time.perf_counter()
+        if self.schedule == "sync":
+            while self._inflight:
+                blocked += self._retire(self._inflight.popleft())
+            if plan is not None:
+                plan.rows = [r for r in plan.rows if r.req.state != FINISHED]
+                if not plan.rows:
+                    plan = None
+        if plan is not None:
+            self._dispatch(plan, t0, t_planned)
+        if self.schedule == "async":
+            while len(self._inflight) > (1 if plan is not None else 0):
+                blocked += self._retire(self._inflight.popleft())
+        self._deliver()
+        elapsed = time.perf_counter() - t0
+        self.blocked_time_s += blocked
+        self.host_time_s += elapsed - blocked
+        return self.has_work()
+
+    def run(self, max_steps: int | None = None) -> None:
+        """Steps until no work remains (or max_steps)."""
+        for i in itertools.count():
+            if max_steps is not None and i >= max_steps:
+                return
+            if not self.step():
+                return
+
+    def start(self) -> None:
+        """Serves from a background thread (submit from any thread; handles block on tokens)."""
+        if self._thread is not None:
+            return
+        self._stop_flag = False
+        self._thread = threading.Thread(target=self._serve, name="specjax-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops the background thread after its current step (queued requests stay queued)."""
+        if self._thread is None:
+            return
+        self._stop_flag = True
+        self._wake.set()
+        self._thread.join()
+        self._thread = None
+        self._raise_if_failed()
+
+    def _serve(self) -> None:
+        try:
+            while not self._stop_flag:
+                if self.has_work():
+                    self.step()
+                else:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as e:  # surfaced to waiting handles and stop()
+            self._failure = e
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError("the engine loop failed") from self._failure
+
+    # ------------------------------------------------------------------------- internals
+    def _drain_submissions(self) -> None:
+        while True:
+            try:
+                req = self._submitted.get_nowait()
+            except queue.Empty:
+                return
+            if self.metrics.first_arrival is None:
+                self.metrics.first_arrival = req.arrival
+            self.metrics.prompt_tokens_total += len(req.prompt)
+            self.scheduler.add(req)
+
+    def _row_dict(self, row) -> dict:
+        r = row.req
+        d = {"kind": row.kind, "slot": r.slot, "seed": r.seed, "temperature": r.temperature,
+             "top_k": r.top_k, "top_p": r.top_p, "pages": r.pages}
+        if row.kind == steps.KIND_PREFILL:
+            d.update(start=row.start, tokens=row.tokens, final=row.final, next_token=row.next_token)
+        return d
+
+    def _call(self, kind: str, meta):
+        fn = steps.spec_decode_step if kind == "spec" else steps.extend_step
+        out = fn(self.target.params, self._draft_params, self._state, meta,
+                 target_cfg=self.target.config, draft_cfg=self._draft_cfg, sc=self.sc)
+        self._state = out[0]
+        return out[1:]
+
+    def _dispatch(self, plan, t0: float, t_planned: float) -> None:
+        b = bucket(len(plan.rows), self.batch_buckets)
+        meta = steps.pack([self._row_dict(r) for r in plan.rows], self.sc, b, plan.t)
+        outputs = self._call(plan.kind, jax.device_put(meta))
+        for row in plan.rows:
+            row.req.inflight_growth += row.growth
+        now = time.perf_counter()
+        self.metrics.steps["spec" if plan.kind == "spec" else
+                           ("decode" if plan.t == 1 else "extend")] += 1
+        self._inflight.append(_InFlight(plan, outputs, now, self.num_steps))
+        if self.config.record_timeline:
+            self.timeline.append({"step": self.num_steps, "kind": plan.kind, "t": plan.t,
+                                  "rows": len(plan.rows), "batch": b, "plan_start": t0,
+                                  "plan_end": t_planned, "dispatched": now})
+        self.num_steps += 1
+
+    def _retire(self, inf: _InFlight) -> float:
+        """Blocks on a step's results and applies them; returns the seconds spent blocked."""
+        t = time.perf_counter()
+        ready = all(o.is_ready() for o in inf.outputs)
+        host = jax.device_get(inf.outputs)
+        now = time.perf_counter()
+        if self.config.record_timeline:
+            self.timeline[inf.index].update(
+                wait_start=t, results=now, ready_at_wait=ready)
+        plan = inf.plan
+        for i, row in enumerate(plan.rows):
+            req = row.req
+            if req.epoch != row.epoch or req.state == FINISHED:
+                continue  # preempted (recomputed later) or already finished: discard
+            req.inflight_growth -= row.growth
+            if plan.kind == "spec":
+                count = int(host[1][i])
+                emitted = host[0][i, :count].tolist()
+                self.metrics.observe_spec(count - 1)
+            elif row.commit:
+                emitted = [int(host[0][i])]
+            else:
+                continue
+            self._append(req, emitted, now)
+        return now - t
+
+    def _append(self, req: Request, tokens: list, now: float) -> None:
+        new, reason = [], None
+        for tok in tokens:
+            req.output.append(tok)
+            new.append(tok)
+            if tok in req.stop:
+                reason = "stop"
+                break
+            if len(req.output) >= req.max_tokens:
+                reason = "length"
+                break
+        m = self.metrics
+        m.generation_tokens_total += len(new)
+        if req.first_token_at is None:
+            req.first_token_at = now
+            m.observe("time_to_first_token_seconds", now - req.arrival)
+            m.observe("request_queue_time_seconds", req.admitted_at - req.arrival)
+        else:
+            m.observe("inter_token_latency_seconds", now - req.last_token_at)
+        req.last_token_at = now
+        m.last_token_time = now
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            m.request_success_total += 1
+            e2e = now - req.arrival
+            m.observe("e2e_request_latency_seconds", e2e)
+            if len(req.output) > 1:
+                m.observe("time_per_output_token_seconds",
+                          (now - req.first_token_at) / (len(req.output) - 1))
+        self._outbox.append((req, new, reason))
+
+    def _deliver(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        for req, new, reason in outbox:
+            req.handle._push(new, reason)
+            cb = req.callback
+            if cb is not None:
+                try:
+                    cb(req.handle, new)
+                except Exception as e:  # a client's bug must not stop the other requests
+                    req.handle.callback_error = e
+                    warnings.warn(f"callback of request {req.id} raised {e!r}", stacklevel=2)
+
+    # ------------------------------------------------------------------------- tooling
+    def variants(self) -> list:
+        """Every (kind, batch, T) step shape the scheduler can produce."""
+        out = [("extend", b, t) for b in self.batch_buckets for t in self.token_buckets]
+        for n in range(1, self.config.max_slots + 1):
+            b = bucket(n, self.batch_buckets)
+            spec = self.k_eff > 0 and (self.config.spec_max_batch is None
+                                       or n <= self.config.spec_max_batch)
+            v = ("spec", b, 0) if spec else ("extend", b, 1)
+            if v not in out:
+                out.append(v)
+        return out
+
+    def warmup(self) -> int:
+        """Compiles (and runs once, on padding rows that write nothing) every step variant.
+
+        Returns the number of variants. Call before serving so no request pays a compilation.
+        """
+        if self._inflight:
+            raise RuntimeError("warmup() must run before any request is dispatched")
+        vs = self.variants()
+        for kind, b, t in vs:
+            outs = self._call(kind, jax.device_put(steps.pack([], self.sc, b, t)))
+            jax.block_until_ready(outs)
+        return len(vs)
+
+    def stats(self) -> dict:
+        """Metrics snapshot (see specjax.engine.metrics) plus the engine's own counters."""
+        s = self.metrics.snapshot(running=len(self.scheduler.running),
+                                  waiting=len(self.scheduler.waiting) + self._submitted.qsize(),
+                                  usage=self.allocator.usage)
+        s.update(method=self.config.method, schedule=self.schedule, num_draft_tokens=self.k_eff,
+                 engine_steps=self.num_steps, host_time_s=self.host_time_s,
+                 blocked_time_s=self.blocked_time_s, num_preemptions_total=self.scheduler.num_preemptions)
+        return s

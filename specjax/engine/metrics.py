@@ -1,0 +1,103 @@
+"""Serving metrics, named as vLLM / SGLang export them.
+
+Counters and histograms are plain Python (host side, updated when a step's results are read).
+``EngineMetrics.snapshot()`` returns one flat dict; the names follow vLLM's Prometheus metrics
+(``vllm:`` prefix dropped) with SGLang's aliases where they differ:
+
+* speculation: ``spec_decode_num_drafts`` (row-steps that speculated), ``spec_decode_num_draft_tokens``,
+  ``spec_decode_num_accepted_tokens``, ``spec_decode_num_accepted_tokens_per_pos``; derived
+  ``acceptance_rate`` = accepted / draft tokens, ``mean_accepted_length`` (SGLang
+  ``spec_accept_length``) = 1 + accepted / drafts (tokens emitted per speculative row-step), and
+  ``per_position_acceptance`` [K] = accepted at position i / drafts.
+* latency histograms (seconds; mean/p50/p90/p99/count): ``time_to_first_token_seconds``,
+  ``inter_token_latency_seconds`` (one sample per step in which a request received tokens, as in
+  vLLM v1; speculative steps deliver several tokens at once), ``time_per_output_token_seconds``
+  (per request: (e2e - TTFT) / (tokens - 1)), ``e2e_request_latency_seconds``,
+  ``request_queue_time_seconds`` (arrival to first admission).
+* throughput: ``generation_tokens_total``, ``prompt_tokens_total``, ``tokens_per_second``
+  (SGLang ``gen_throughput``: generated tokens / wall time from the first arrival to the last
+  token).
+* gauges: ``num_requests_running``, ``num_requests_waiting`` (queue depth; SGLang
+  ``num_queue_reqs``), ``kv_cache_usage_perc`` (fraction of pages in use; SGLang ``token_usage``),
+  ``num_preemptions_total``, ``request_success_total``, steps by kind.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _summary(values) -> dict:
+    if not values:
+        return {"count": 0, "mean": float("nan"), "p50": float("nan"), "p90": float("nan"),
+                "p99": float("nan")}
+    a = np.asarray(values, np.float64)
+    return {"count": int(a.size), "mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
+            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
+
+
+class EngineMetrics:
+    """Accumulates the engine's counters and latency samples (see the module docstring)."""
+
+    HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                  "time_per_output_token_seconds", "e2e_request_latency_seconds",
+                  "request_queue_time_seconds")
+
+    def __init__(self, num_draft_tokens: int):
+        self.k = num_draft_tokens
+        self.reset()
+
+    def reset(self) -> None:
+        self.spec_decode_num_drafts = 0
+        self.spec_decode_num_draft_tokens = 0
+        self.spec_decode_num_accepted_tokens = 0
+        self.spec_decode_num_accepted_tokens_per_pos = [0] * self.k
+        self.generation_tokens_total = 0
+        self.prompt_tokens_total = 0
+        self.num_preemptions_total = 0
+        self.request_success_total = 0
+        self.steps = {"extend": 0, "decode": 0, "spec": 0}
+        self.hist = {name: [] for name in self.HISTOGRAMS}
+        self.first_arrival = None
+        self.last_token_time = None
+
+    def observe_spec(self, num_accepted: int) -> None:
+        """One speculative row-step that accepted ``num_accepted`` of k drafts."""
+        self.spec_decode_num_drafts += 1
+        self.spec_decode_num_draft_tokens += self.k
+        self.spec_decode_num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.spec_decode_num_accepted_tokens_per_pos[i] += 1
+
+    def observe(self, name: str, value: float) -> None:
+        self.hist[name].append(value)
+
+    def snapshot(self, *, running: int = 0, waiting: int = 0, usage: float = 0.0) -> dict:
+        drafts = self.spec_decode_num_drafts
+        accepted = self.spec_decode_num_accepted_tokens
+        span = None
+        if self.first_arrival is not None and self.last_token_time is not None:
+            span = self.last_token_time - self.first_arrival
+        out = {
+            "spec_decode_num_drafts": drafts,
+            "spec_decode_num_draft_tokens": self.spec_decode_num_draft_tokens,
+            "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.spec_decode_num_accepted_tokens_per_pos),
+            "acceptance_rate": accepted / self.spec_decode_num_draft_tokens if drafts else float("nan"),
+            "mean_accepted_length": 1.0 + accepted / drafts if drafts else float("nan"),
+            "per_position_acceptance": [a / drafts for a in self.spec_decode_num_accepted_tokens_per_pos]
+            if drafts else [],
+            "generation_tokens_total": self.generation_tokens_total,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "tokens_per_second": self.generation_tokens_total / span if span else float("nan"),
+            "num_requests_running": running,
+            "num_requests_waiting": waiting,
+            "kv_cache_usage_perc": usage,
+            "num_preemptions_total": self.num_preemptions_total,
+            "request_success_total": self.request_success_total,
+            "steps": dict(self.steps),
+        }
+        out["spec_accept_length"] = out["mean_accepted_length"]  # SGLang's name
+        for name, values in self.hist.items():
+            out[name] = _summary(values)
+        return out

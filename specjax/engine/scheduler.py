@@ -1,0 +1,230 @@
+"""Continuous-batching scheduler: admission, chunked prefill, page allocation ahead, preemption.
+
+Pure host code (no jax). Every request that holds a slot is either PREFILL (its prompt, or its
+prompt plus the tokens generated before a preemption, is being written in chunks) or DECODE (the
+device holds its state). Each ``schedule()`` call plans one device step:
+
+1. Running prefills get their next chunk (at most the largest token bucket, within the step's
+   prefill-token budget).
+2. Pages are allocated *ahead* for every row of the step: a decode row of a request with
+   (upper-bound) length n writes at most slots n-1 .. n+k, so it needs n + k + 1 tokens of pages;
+   a chunk ending at e needs e + k + 1. The upper bound n_ub = known length + the growth of the
+   steps still in flight (k+1 per speculative step, 1 per ordinary one), so a step may be planned
+   before the previous one's accepted lengths are known.
+3. If the pool cannot cover that, the most recently admitted requests are preempted (pages and
+   slot freed, epoch bumped so in-flight results are discarded) and go back to the *front* of the
+   queue; they are recomputed later by prefilling prompt + generated tokens. Nothing is ever
+   corrupted: a freed page is only reused by steps dispatched after every step that wrote it.
+4. If nothing was preempted, waiting requests are admitted first-come first-served while a slot,
+   the prefill budget and pages (keeping one spare page per decode row) allow.
+5. The step kind: any prefill chunk -> an ordinary ("extend") step where decode rows take one
+   token; decode rows only -> a speculative step, unless the method is "none" or the batch is
+   larger than ``spec_max_batch`` (then an ordinary one-token step).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from specjax.engine.allocator import PageAllocator
+from specjax.engine.steps import KIND_DECODE, KIND_PREFILL
+
+WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """Host record of one request (mutable; identity equality)."""
+
+    id: int
+    prompt: list
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop: frozenset
+    arrival: float
+    handle: object = None
+    callback: object = None
+    output: list = dataclasses.field(default_factory=list)
+    state: str = WAITING
+    slot: int = -1
+    pages: list = dataclasses.field(default_factory=list)
+    seq: list = dataclasses.field(default_factory=list)  # tokens to prefill (prompt + output)
+    num_prefilled: int = 0
+    epoch: int = 0  # bumped at preemption: results of older dispatches are ignored
+    inflight_growth: int = 0  # upper bound on tokens added by dispatched, unread steps
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_known(self) -> int:
+        """Committed tokens the host has seen (prompt + generated)."""
+        return len(self.prompt) + len(self.output)
+
+
+@dataclasses.dataclass
+class Row:
+    """One row of a planned step."""
+
+    req: Request
+    epoch: int
+    kind: int  # steps.KIND_PREFILL | steps.KIND_DECODE
+    growth: int = 0  # max tokens this row adds to the request's length
+    commit: bool = False  # the row samples a token the request keeps
+    start: int = 0
+    tokens: list = dataclasses.field(default_factory=list)
+    final: bool = False
+    next_token: int = 0
+
+
+@dataclasses.dataclass
+class Plan:
+    """One device step: "extend" (ordinary sampling, T tokens per row) or "spec"."""
+
+    kind: str
+    rows: list
+    t: int  # token bucket (0 for "spec")
+
+
+def bucket(n: int, buckets) -> int:
+    """Smallest bucket >= n (buckets sorted ascending; n <= the largest)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+class Scheduler:
+    """Owns the queue, the slots and the page allocator (see the module docstring)."""
+
+    def __init__(self, allocator: PageAllocator, *, num_slots: int, token_buckets, k_eff: int,
+                 speculative: bool, spec_max_batch: int | None, pages_per_seq: int,
+                 max_prefill_tokens: int | None):
+        self.alloc = allocator
+        self.num_slots = num_slots
+        self.token_buckets = tuple(token_buckets)
+        self.k1 = k_eff + 1
+        self.speculative = speculative
+        self.spec_max_batch = spec_max_batch
+        self.max_tokens_per_seq = pages_per_seq * allocator.page_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: collections.deque = collections.deque()
+        self.running: list = []  # admission order (latest last = first preemption victim)
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.num_preemptions = 0
+
+    # -------------------------------------------------------------------------- bookkeeping
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def _release(self, req: Request) -> None:
+        self.alloc.free(req.pages, req)
+        req.pages = []
+        self.free_slots.append(req.slot)
+        req.slot = -1
+        self.running.remove(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Ends a request: its pages and slot go back (in-flight steps may still write them;
+        they run before any step that reuses them)."""
+        self._release(req)
+        req.state = FINISHED
+        req.finish_reason = reason
+
+    def preempt(self, req: Request) -> None:
+        """Frees a running request and requeues it at the front for recomputation."""
+        self._release(req)
+        req.state = WAITING
+        req.epoch += 1
+        req.inflight_growth = 0
+        req.num_prefilled = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _need_pages(self, req: Request, tokens: int) -> int:
+        tokens = min(tokens, self.max_tokens_per_seq)
+        return max(0, self.alloc.pages_for(tokens) - len(req.pages))
+
+    # -------------------------------------------------------------------------- planning
+    def schedule(self, now: float) -> Plan | None:
+        """Plans the next step (mutates request states: chunks advance, pages are allocated)."""
+        tmax = self.token_buckets[-1]
+        budget = self.max_prefill_tokens if self.max_prefill_tokens is not None else float("inf")
+        chunks: dict = {}
+        for r in self.running:
+            if r.state == PREFILL and budget > 0:
+                c = int(min(len(r.seq) - r.num_prefilled, tmax, budget))
+                chunks[r] = c
+                budget -= c
+
+        def need(r):
+            if r.state == DECODE:
+                return self._need_pages(r, r.num_known + r.inflight_growth + self.k1)
+            if r in chunks:
+                return self._need_pages(r, r.num_prefilled + chunks[r] + self.k1)
+            return 0
+
+        preempted = False
+        while self.running and sum(need(r) for r in self.running) > self.alloc.num_free:
+            victim = self.running[-1]
+            chunks.pop(victim, None)
+            self.preempt(victim)
+            preempted = True
+        for r in self.running:
+            n = need(r)
+            if n:
+                r.pages += self.alloc.allocate(n, r)
+
+        if not preempted:
+            spare = sum(r.state == DECODE for r in self.running)  # one growth page per decode row
+            while self.waiting and self.free_slots and budget > 0:
+                r = self.waiting[0]
+                seq = r.prompt + r.output
+                c = int(min(len(seq), tmax, budget))
+                n = self.alloc.pages_for(min(c + self.k1, self.max_tokens_per_seq))
+                if n + spare > self.alloc.num_free:
+                    break
+                self.waiting.popleft()
+                r.slot = self.free_slots.pop()
+                r.pages = self.alloc.allocate(n, r)
+                r.seq, r.num_prefilled, r.state = seq, 0, PREFILL
+                if r.admitted_at is None:
+                    r.admitted_at = now
+                self.running.append(r)
+                chunks[r] = c
+                budget -= c
+
+        rows = []
+        for r in self.running:
+            if r.state == DECODE:
+                rows.append(Row(r, r.epoch, KIND_DECODE, commit=True))
+            elif r in chunks:
+                c, start = chunks[r], r.num_prefilled
+                final = start + c == len(r.seq)
+                rows.append(Row(r, r.epoch, KIND_PREFILL, growth=int(final), commit=final,
+                                start=start, tokens=r.seq[start:start + c], final=final,
+                                next_token=0 if final else r.seq[start + c]))
+                r.num_prefilled += c
+                if final:
+                    r.state = DECODE  # from the next step on, the device holds its state
+        if not rows:
+            return None
+        if chunks:
+            for row in rows:
+                if row.kind == KIND_DECODE:
+                    row.growth = 1
+            return Plan("extend", rows, bucket(max(chunks.values()), self.token_buckets))
+        if self.speculative and (self.spec_max_batch is None or len(rows) <= self.spec_max_batch):
+            for row in rows:
+                row.growth = self.k1
+            return Plan("spec", rows, 0)
+        for row in rows:
+            row.growth = 1
+        return Plan("extend", rows, 1)
