@@ -56,7 +56,7 @@ from specjax.kv_cache import pages_needed
 from specjax.model import Model
 from specjax.speculate import LoopConfig
 
-METHODS = ("none", "draft", "mtp", "eagle")
+METHODS = ("none", "draft", "mtp", "eagle", "eagle-tree")
 SCHEDULES = ("sync", "async")
 
 
@@ -82,7 +82,8 @@ class RequestParams:
 class EngineConfig:
     """Static engine settings.
 
-    method / num_draft_tokens / draft_sampling: as ``sj.generate``.
+    method / num_draft_tokens / draft_sampling / tree: as ``sj.generate`` (``tree``: a
+      specjax.tree.TreeConfig for method "eagle-tree", default the EAGLE-2 dynamic tree).
     max_slots: S, requests resident at once (= the largest batch bucket).
     batch_buckets: static batch sizes a step is padded to (default: powers of two up to S, and S).
     token_buckets: static prefill-chunk widths T (prompts longer than the largest are chunked).
@@ -112,6 +113,7 @@ class EngineConfig:
     attn_impl: str = "reference"
     seed: int = 0
     record_timeline: bool = False
+    tree: object = None
 
 
 def _is_int(x) -> bool:
@@ -215,6 +217,16 @@ class Engine:
             raise ValueError(f"num_draft_tokens must be an int in [1, 64], got {cfg.num_draft_tokens!r}")
         if not _is_int(cfg.max_slots) or cfg.max_slots < 1:
             raise ValueError(f"max_slots must be an int >= 1, got {cfg.max_slots!r}")
+        tree = cfg.tree
+        if cfg.method == "eagle-tree":
+            from specjax.tree import TreeConfig  # noqa: PLC0415
+            tree = TreeConfig() if tree is None else tree
+            if not isinstance(tree, TreeConfig):
+                raise TypeError(f"tree must be a specjax.tree.TreeConfig, got {type(tree).__name__}")
+            if cfg.draft_sampling:
+                raise ValueError('draft_sampling is not supported with method="eagle-tree"')
+        elif tree is not None:
+            raise ValueError(f'tree=... is only used with method="eagle-tree", got {cfg.method!r}')
         schedule = cfg.schedule or ("sync" if cfg.method == "draft" else "async")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {cfg.schedule!r}")
@@ -237,11 +249,14 @@ class Engine:
         self.target, self.draft, self.config = target, draft, cfg
         self.schedule = schedule
         self.batch_buckets, self.token_buckets = batch_buckets, token_buckets
-        self.k_eff = 0 if cfg.method == "none" else cfg.num_draft_tokens
-        lc = LoopConfig(method=cfg.method, k=max(cfg.num_draft_tokens if self.k_eff else 1, 1),
+        lc = LoopConfig(method=cfg.method, k=cfg.num_draft_tokens if cfg.method != "none" else 1,
                         draft_sampling=cfg.draft_sampling, attn_impl=cfg.attn_impl,
-                        page_size=cfg.page_size)
-        pages_per_seq = pages_needed(cfg.max_model_len + 2 * (self.k_eff + 1), cfg.page_size)
+                        page_size=cfg.page_size, tree=tree)
+        self.k_eff = lc.k_eff  # most drafts one step accepts (the tree depth for trees)
+        # A step adds at most k_eff + 1 tokens and writes at most `write_ahead` slots from n - 1.
+        write_ahead = lc.extra_slots if self.k_eff else 1
+        pages_per_seq = pages_needed(cfg.max_model_len + self.k_eff + 1 + write_ahead,
+                                     cfg.page_size)
         num_pages = cfg.num_pages or cfg.max_slots * pages_per_seq
         if num_pages < pages_per_seq:
             raise ValueError(f"num_pages {num_pages} cannot hold one sequence of max_model_len "
@@ -254,6 +269,7 @@ class Engine:
         self.allocator = PageAllocator(num_pages, cfg.page_size)
         self.scheduler = Scheduler(
             self.allocator, num_slots=cfg.max_slots, token_buckets=token_buckets, k_eff=self.k_eff,
+            write_ahead=write_ahead,
             speculative=self.k_eff > 0, spec_max_batch=cfg.spec_max_batch,
             pages_per_seq=pages_per_seq, max_prefill_tokens=cfg.max_prefill_tokens)
         self.metrics = EngineMetrics(self.k_eff)
@@ -441,10 +457,11 @@ class Engine:
         self.metrics.steps["spec" if plan.kind == "spec" else
                            ("decode" if plan.t == 1 else "extend")] += 1
         self._inflight.append(_InFlight(plan, outputs, now, self.num_steps))
-        if self.config.record_timeline:
+        if self.config.record_timeline:  # busy_after_dispatch: the call returned before the step ran
             self.timeline.append({"step": self.num_steps, "kind": plan.kind, "t": plan.t,
                                   "rows": len(plan.rows), "batch": b, "plan_start": t0,
-                                  "plan_end": t_planned, "dispatched": now})
+                                  "plan_end": t_planned, "dispatched": now,
+                                  "busy_after_dispatch": not outputs[0].is_ready()})
         self.num_steps += 1
 
     def _retire(self, inf: _InFlight) -> float:

@@ -7,10 +7,11 @@ device holds its state). Each ``schedule()`` call plans one device step:
 1. Running prefills get their next chunk (at most the largest token bucket, within the step's
    prefill-token budget).
 2. Pages are allocated *ahead* for every row of the step: a decode row of a request with
-   (upper-bound) length n writes at most slots n-1 .. n+k, so it needs n + k + 1 tokens of pages;
-   a chunk ending at e needs e + k + 1. The upper bound n_ub = known length + the growth of the
-   steps still in flight (k+1 per speculative step, 1 per ordinary one), so a step may be planned
-   before the previous one's accepted lengths are known.
+   (upper-bound) length n writes slot n-1 and at most w slots beyond it (w = ``write_ahead``:
+   k+1 for a chain, ``LoopConfig.extra_slots`` for trees), so pages cover n + w tokens; a chunk
+   ending at e needs e + w. The upper bound n_ub = known length + the growth of the steps still in flight
+   (k+1 per speculative step, 1 per ordinary one), so a step may be planned before the previous
+   one's accepted lengths are known.
 3. If the pool cannot cover that, the most recently admitted requests are preempted (pages and
    slot freed, epoch bumped so in-flight results are discarded) and go back to the *front* of the
    queue; they are recomputed later by prefilling prompt + generated tokens. Nothing is ever
@@ -104,12 +105,13 @@ class Scheduler:
     """Owns the queue, the slots and the page allocator (see the module docstring)."""
 
     def __init__(self, allocator: PageAllocator, *, num_slots: int, token_buckets, k_eff: int,
-                 speculative: bool, spec_max_batch: int | None, pages_per_seq: int,
+                 write_ahead: int, speculative: bool, spec_max_batch: int | None, pages_per_seq: int,
                  max_prefill_tokens: int | None):
         self.alloc = allocator
         self.num_slots = num_slots
         self.token_buckets = tuple(token_buckets)
-        self.k1 = k_eff + 1
+        self.k1 = k_eff + 1  # most tokens a speculative step adds
+        self.ahead = max(write_ahead, 1)  # slots a step may write from n - 1
         self.speculative = speculative
         self.spec_max_batch = spec_max_batch
         self.max_tokens_per_seq = pages_per_seq * allocator.page_size
@@ -166,9 +168,9 @@ class Scheduler:
 
         def need(r):
             if r.state == DECODE:
-                return self._need_pages(r, r.num_known + r.inflight_growth + self.k1)
+                return self._need_pages(r, r.num_known + r.inflight_growth + self.ahead)
             if r in chunks:
-                return self._need_pages(r, r.num_prefilled + chunks[r] + self.k1)
+                return self._need_pages(r, r.num_prefilled + chunks[r] + self.ahead)
             return 0
 
         preempted = False
@@ -188,7 +190,7 @@ class Scheduler:
                 r = self.waiting[0]
                 seq = r.prompt + r.output
                 c = int(min(len(seq), tmax, budget))
-                n = self.alloc.pages_for(min(c + self.k1, self.max_tokens_per_seq))
+                n = self.alloc.pages_for(min(c + self.ahead, self.max_tokens_per_seq))
                 if n + spare > self.alloc.num_free:
                     break
                 self.waiting.popleft()

@@ -245,14 +245,14 @@ def _spec_decode(target_params, draft_params, state: SlotState, meta, *, target_
     b = page_table.shape[0]
     slot, valid = cols["slot"], cols["valid"]
     n = state.lengths[slot]
-    k1 = lc.k + 1
+    k1 = lc.k_eff + 1
     ds = speculate.DecodeState(
         target_kv=state.target_kv, draft_kv=state.draft_kv, page_table=page_table, lengths=n,
         last_token=state.last_token[slot], draft_logits=state.draft_logits[slot],
         head_hidden=None if state.head_hidden is None else state.head_hidden[slot],
         out_tokens=jnp.zeros((b, k1), jnp.int32), num_out=jnp.zeros((b,), jnp.int32),
         done=~valid, step=jnp.zeros((), jnp.int32), row_keys=_row_keys(cols["seed"], n),
-        accepted_per_pos=jnp.zeros((lc.k,), jnp.int32), row_steps=jnp.zeros((), jnp.int32))
+        accepted_per_pos=jnp.zeros((lc.k_eff,), jnp.int32), row_steps=jnp.zeros((), jnp.int32))
     ds = speculate.spec_step(target_params, target_cfg, draft_params, draft_cfg, ds,
                              _row_params(cols, k1), lc)
     state = dataclasses.replace(state, target_kv=ds.target_kv, draft_kv=ds.draft_kv)
