@@ -4,6 +4,7 @@ from specjax.api import (GenerateOutput, early_exit_draft, generate, load_draft,
                          load_tokenizer, logits)
 from specjax.config import ModelConfig, RopeScaling, SamplingParams, SpecConfig
 from specjax.model import Model
+from specjax.engine import Engine, EngineConfig, RequestParams  # noqa: F401 - serving engine
 
 __all__ = ["GenerateOutput", "Model", "ModelConfig", "RopeScaling", "SamplingParams", "SpecConfig",
            "early_exit_draft", "generate", "load_draft", "load_model", "load_tokenizer", "logits"]
