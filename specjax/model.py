@@ -16,7 +16,9 @@ Layers are a Python list (unrolled under jit): on CPU a ``lax.scan`` over stacke
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import functools
 import math
 
 import jax
@@ -89,6 +91,30 @@ def _linear(x, w, b=None):
     return y if b is None else y + b
 
 
+# An optional wrapper ``wrap(core, cfg) -> core`` of attention_core, installed while tracing by
+# specjax.sharding: it runs the core per data-parallel shard with shard-local page ids and pins
+# the pools' sharding. None (the default): the core runs as is.
+_ATTENTION_CORE_WRAPPER: contextvars.ContextVar = contextvars.ContextVar(
+    "specjax_attention_core_wrapper", default=None)
+
+
+def attention_core(q, k, v, k_pages, v_pages, page_table, cache_start, valid, new_mask, *,
+                   attn_impl):
+    """Writes the new tokens' K/V into the paged pools, then attends over prefix + new tokens.
+
+    Args:
+      q: [B, T, H, D]; k, v: [B, T, Hkv, D] (RoPE applied); k_pages, v_pages: [Hkv, P, S, D];
+      page_table: [B, Pmax]; cache_start: [B]; valid: [B, T] bool; new_mask: [B, T, T] or None.
+    Returns:
+      (o [B, T, H, D], k_pages, v_pages).
+    """
+    k_pages, v_pages = kv_cache.write_layer(k_pages, v_pages, k, v, page_table, cache_start, valid)
+    num_new = jnp.sum(valid, axis=1, dtype=jnp.int32)
+    o = attn_lib.paged_attention(q, k_pages, v_pages, page_table, cache_start, num_new, new_mask,
+                                 impl=attn_impl)
+    return o, k_pages, v_pages
+
+
 def decoder_layer(lp, cfg: ModelConfig, x, positions, k_pages, v_pages, page_table, cache_start,
                   valid, new_mask, attn_impl):
     """One pre-norm Llama block; writes this layer's K/V for the new tokens.
@@ -110,10 +136,12 @@ def decoder_layer(lp, cfg: ModelConfig, x, positions, k_pages, v_pages, page_tab
         v = _linear(y, lp["wv"], lp.get("bv")).reshape(b, t, hkv, d)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        k_pages, v_pages = kv_cache.write_layer(k_pages, v_pages, k, v, page_table, cache_start, valid)
-        num_new = jnp.sum(valid, axis=1, dtype=jnp.int32)
-        o = attn_lib.paged_attention(q, k_pages, v_pages, page_table, cache_start, num_new, new_mask,
-                                     impl=attn_impl)
+        core = functools.partial(attention_core, attn_impl=attn_impl)
+        wrap = _ATTENTION_CORE_WRAPPER.get()
+        if wrap is not None:
+            core = wrap(core, cfg)
+        o, k_pages, v_pages = core(q, k, v, k_pages, v_pages, page_table, cache_start, valid,
+                                   new_mask)
         x = x + _linear(o.reshape(b, t, h * d), lp["wo"], lp.get("bo"))
     with jax.named_scope("mlp"):
         y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
