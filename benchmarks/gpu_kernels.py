@@ -15,22 +15,23 @@ every section, so a run cut short still reports):
                 (32 query / 8 KV heads, D = 128, bf16, page size 16), batch 1-64, prefix
                 512-32k: time per call and achieved bandwidth = K/V bytes actually read (only
                 each sequence's own length) + q + out, against the measured copy bandwidth.
-5. tuning       B = 1 and 8 at a 32k prefix (Q = 1), B = 32 at 8k (Q = 8): pages per step,
-                warps and split-K variants of the same call; a few prefill tile shapes.
-6. tree         tree attention (N = 16, 64 nodes of a random draft tree, ancestor mask built
+5. tree         tree attention (N = 16, 64 nodes of a random draft tree, ancestor mask built
                 once per step as in a model, so per call only the kernel runs) vs plain chain
                 verification of the same N tokens: the same kernel with the causal mask, and the
                 prefill kernel that ``dispatch`` picks for causal T >= 16. The ancestor-mask
                 build is timed on its own.
+6. tuning       B = 1 and 8 at a 32k prefix (Q = 1), B = 32 at 8k (Q = 8): pages per step,
+                warps and split-K variants of the same call.
 7. prefill      causal prefill over the paged cache, batch 1-8, prompts 1k-16k: TFLOP/s (the
-                causal half only) and time vs the jnp reference where that fits in memory.
+                causal half only) and time vs the jnp reference where that fits in memory;
+                then the prefill tile variants (last: the first thing the budget drops).
 
 Timing: each measured call is chained ``reps`` times inside one jitted ``lax.fori_loop`` (the
 output is the next iteration's q: same shape, a real dependency, no dispatch gaps), the loop is
 compiled and run once, then timed ``trials`` times; the median / reps is reported.
 
 Usage (the GPU machine; $OUT is where JSON lands, default ./out):
-  python benchmarks/gpu_kernels.py [--quick] [--budget-s 270] [--out DIR]
+  python benchmarks/gpu_kernels.py [--quick] [--budget-s 210] [--out DIR]
   python benchmarks/gpu_kernels.py --cpu-smoke        # tiny shapes, Pallas interpreter on CPU
 From Python (benchmarks/gpu_check.py): ``main(out_dir, quick=False)``; on a machine without a
 GPU main runs the CPU smoke mode.
@@ -92,8 +93,8 @@ FULL = Sizes(
         ("tree", 2, 2051, 16, 4, "bfloat16", None), ("tree", 2, 777, 64, 4, "float32", 1),
         ("prefill", 3, 0, 1023, 4, "bfloat16", None), ("prefill", 2, 300, 257, 8, "float32", None),
     ),
-    decode=tuple((b, n, q) for b, n in ((1, 512), (1, 8192), (1, 32768), (8, 4096), (8, 32768),
-                                        (32, 8192), (64, 2048), (64, 16384)) for q in (1, 4, 8)),
+    decode=tuple((b, n, q) for b, n in ((1, 512), (1, 32768), (8, 4096), (8, 32768), (32, 8192),
+                                        (64, 2048), (64, 16384)) for q in (1, 4, 8)),
     tuning_decode=((1, 32768, 1, 2, 4, None), (1, 32768, 1, 4, 4, None),
                    (1, 32768, 1, 8, 4, None), (1, 32768, 1, 8, 8, None), (1, 32768, 1, 4, 4, 1),
                    (1, 32768, 1, 4, 4, 16), (1, 32768, 1, 4, 4, 64), (8, 32768, 1, 2, 4, None),
@@ -253,7 +254,8 @@ def correctness(sz: Sizes, interpret: bool) -> list:
                                         block_sizes=ta.BlockSizes(num_splits=splits))
                 want = _exact(ta.tree_attention_reference, q, k, v, pt, start, par, nn)
             else:
-                got = pf.prefill_attention(q, k, v, pt, start, nn, interpret=interpret)
+                got = pf.prefill_attention(q, k, v, pt, start, nn, interpret=interpret,
+                                           block_sizes=pf.BlockSizes())
                 want = _exact(pf.prefill_attention_reference, q, k, v, pt, start, nn)
             got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
             err = float(np.abs(got - want).max())
@@ -322,7 +324,9 @@ def tree(sz: Sizes, interpret: bool, deadline: float) -> list:
 
             t_tree = _time_chain(paged, q, k, v, pt, start, nn, mask, **kw)
             t_chain = _time_chain(causal_paged, q, k, v, pt, start, nn, **kw)
-            t_prefill = _time_chain(causal_prefill, q, k, v, pt, start, nn, **kw)
+            # (the interpreter's timings mean nothing: the smoke run skips this third compile)
+            t_prefill = (_time_chain(causal_prefill, q, k, v, pt, start, nn, **kw)
+                         if not interpret else float("inf"))
             par = _parents(b, n)
             build = jax.jit(ta.ancestor_mask)
             jax.block_until_ready(build(par))
@@ -333,7 +337,8 @@ def tree(sz: Sizes, interpret: bool, deadline: float) -> list:
             t_mask = (time.perf_counter() - t0) / sz.reps
             best_verify = min(t_chain, t_prefill)
             row.update(tree_us=t_tree * 1e6, verify_same_kernel_us=t_chain * 1e6,
-                       verify_prefill_kernel_us=t_prefill * 1e6, mask_build_us=t_mask * 1e6,
+                       verify_prefill_kernel_us=t_prefill * 1e6 if not interpret else None,
+                       mask_build_us=t_mask * 1e6,
                        tree_over_same_kernel_pct=100 * (t_tree / t_chain - 1),
                        tree_over_best_verify_pct=100 * (t_tree / best_verify - 1))
             del q, k, v
@@ -427,7 +432,7 @@ def main(out_dir: str | None = None, quick: bool = False, cpu_smoke: bool | None
       out_dir: where the JSON and the table go (default $OUT or ./out).
       quick: fewer shapes, no tuning sweep (~1-2 min on an H200).
       cpu_smoke: tiny shapes through the Pallas interpreter; None = "when there is no GPU".
-      budget_s: no config starts after this many seconds (default 270, quick 120, smoke 60).
+      budget_s: no config starts after this many seconds (default 210, quick 100, smoke 60).
     Returns:
       the results dict (also in the JSON); ``all_correct`` is False if any kernel was off.
     """
@@ -439,7 +444,7 @@ def main(out_dir: str | None = None, quick: bool = False, cpu_smoke: bool | None
         cpu_smoke = not on_gpu
     sz = SMOKE if cpu_smoke else (QUICK if quick else FULL)
     interpret = not on_gpu
-    budget = budget_s or (60 if cpu_smoke else 120 if quick else 270)
+    budget = budget_s or (60 if cpu_smoke else 100 if quick else 210)
     deadline = t_start + budget
     dev = jax.devices()[0]
     res = {"env": {"jax": jax.__version__, "backend": jax.default_backend(),
@@ -469,8 +474,8 @@ def main(out_dir: str | None = None, quick: bool = False, cpu_smoke: bool | None
     section("correctness", lambda: correctness(sz, interpret))
     section("decode", lambda: decode(sz, interpret, bw, deadline))
     section("tree", lambda: tree(sz, interpret, deadline))
-    section("prefill", lambda: prefill(sz, interpret, deadline))
     section("tuning_decode", lambda: decode(sz, interpret, bw, deadline, sz.tuning_decode, True))
+    section("prefill", lambda: prefill(sz, interpret, deadline))
     section("tuning_prefill", lambda: prefill(sz, interpret, deadline, sz.tuning_prefill, True))
     res["all_correct"] = all(r.get("ok") for r in res["correctness"])
     save()

@@ -53,7 +53,7 @@ class BlockSizes:
 
     Attributes:
       pages_per_block: pages gathered per loop step (a power of two); None picks enough pages
-        for a 32-slot key tile.
+        for a 64-slot key tile.
       block_rows: most (query head, token) rows one program holds; more rows split the grid.
       num_splits: split-K factor: each (sequence, KV head, row block) is spread over this many
         programs, each reading ~1/num_splits of the sequence's keys, merged by log-sum-exp.
@@ -247,7 +247,7 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_start, num_new, new_m
         new_mask = jnp.broadcast_to(_attention.causal_mask(t), (b, t, t))
 
     # Static tiling.
-    ppb = block_sizes.pages_per_block or max(1, 32 // page_size)
+    ppb = block_sizes.pages_per_block or max(1, 64 // page_size)
     ppb = min(ppb, C.next_pow2(pmax))
     p_pad = C.next_pow2(max(pmax, ppb))
     d_pad = max(C.MIN_DOT, C.next_pow2(d))

@@ -11,13 +11,12 @@ import pytest
 
 from pallas_kernels import dispatch
 from pallas_kernels import prefill_attention as pf
-from tests.test_pallas_paged import DTYPES, KV_GROUPS, PAGE_SIZES, check, poisoned_case
+from tests.test_pallas_paged import DTYPES, KV_GROUPS, PAGE_SIZES, check, exact, poisoned_case
 
-reference = jax.jit(pf.prefill_attention_reference, static_argnames=("scale",))
-REPRESENTATIVE = [  # (page_size, Hkv, G, dtype, block_rows, block_keys)
-    (16, 2, 3, jnp.float32, 64, 64),
-    (8, 1, 8, jnp.bfloat16, 32, 16),
-    (32, 8, 1, jnp.float32, 16, 32),
+reference = exact(pf.prefill_attention_reference)
+REPRESENTATIVE = [  # (page_size, Hkv, G, dtype, block_rows, block_keys); with the chunked
+    (16, 2, 3, jnp.float32, 64, 64),  # test below, every page size, Hkv, G and dtype appears
+    (8, 1, 8, jnp.bfloat16, 128, 16),  # one page per key step
 ]
 
 
@@ -45,21 +44,16 @@ class TestPrefillAttentionInterpret:
     def test_matches_reference_all_shapes(self, page_size, hkv, g, dtype):
         self._prompts(page_size, hkv, g, dtype)
 
-    @pytest.mark.parametrize("dtype", DTYPES)
-    def test_chunked_prefill_after_cached_prefix(self, dtype):
-        """Chunks of 40 (or fewer) tokens after cached prefixes of 0, 3, 513 and 1 tokens;
-        row blocks straddle tokens (G = 3) and the prefix tail shares a page with the chunk."""
-        args = poisoned_case(1, (0, 3, 513, 1), 40, 2, 3, 16, dtype, num_new=(40, 17, 40, 1),
-                             d=self.HEAD_DIM)
+    def test_chunked_prefill_after_cached_prefix(self):
+        """Chunks of 40 (or fewer) tokens after cached prefixes of 0, 3, 513 and 1 tokens; the
+        prefix tail shares a page with the chunk; a custom scale; a sequence with no tokens."""
+        q, k, v, pt, start, nnew = poisoned_case(1, (0, 3, 513, 1, 0), 40, 8, 1, 32,
+                                                 jnp.bfloat16, num_new=(40, 17, 40, 1, 0),
+                                                 d=self.HEAD_DIM)
         sizes = pf.BlockSizes(block_rows=16, block_keys=32)
-        check(self._run(*args, block_sizes=sizes), reference(*args), dtype)
-
-    def test_custom_scale_and_empty_sequence(self):
-        q, k, v, pt, _, _ = poisoned_case(2, (0, 5), 20, 1, 2, 8, jnp.float32, d=self.HEAD_DIM)
-        start, nnew = jnp.array([0, 5], jnp.int32), jnp.array([0, 20], jnp.int32)
-        got = self._run(q, k, v, pt, start, nnew, scale=0.3)
-        check(got, reference(q, k, v, pt, start, nnew, scale=0.3), jnp.float32)
-        assert not np.asarray(got[0]).any()  # a sequence with no tokens reads nothing
+        got = self._run(q, k, v, pt, start, nnew, scale=0.3, block_sizes=sizes)
+        check(got, reference(q, k, v, pt, start, nnew, scale=0.3), jnp.bfloat16)
+        assert not np.asarray(got[4], np.float32).any()  # nothing to read: zeros
 
     def test_rejects_bad_inputs(self):
         q, k, v, pt, start, nnew = poisoned_case(3, (0,), 4, 2, 2, 8, jnp.float32)

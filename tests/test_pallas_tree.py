@@ -10,10 +10,10 @@ import pytest
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import tree_attention as ta
 from specjax import kv_cache
-from tests.test_pallas_paged import (LENGTHS, check, poisoned_case, random_case, random_parents,
-                                     tree_mask)
+from tests.test_pallas_paged import (LENGTHS, check, exact, poisoned_case, random_case,
+                                     random_parents, tree_mask)
 
-reference = jax.jit(ta.tree_attention_reference, static_argnames=("scale",))
+reference = exact(ta.tree_attention_reference)
 
 
 def _branches(parents):
@@ -41,14 +41,14 @@ class TestTreeAttentionInterpret:
                                 block_sizes=ta.BlockSizes(**sizes))
         check(got, reference(q, k, v, pt, start, parents, nnew), dtype)
 
-    @pytest.mark.parametrize("n,hkv,g,page_size,dtype", [
-        (16, 2, 3, 16, jnp.float32),
-        (16, 1, 8, 8, jnp.bfloat16),
-        (40, 8, 1, 32, jnp.float32),  # two mask words
+    @pytest.mark.parametrize("n,hkv,g,page_size,dtype,num_nodes", [
+        (16, 2, 3, 16, jnp.float32, None),
+        (40, 1, 8, 8, jnp.bfloat16, (40, 9, 1, 33)),  # two mask words; padding nodes
     ])
-    def test_matches_reference(self, n, hkv, g, page_size, dtype):
-        """Random forests (two roots) after prefixes 1, 3, 513, 1023; auto split-K."""
-        self._tree(n, LENGTHS, hkv, g, page_size, dtype)
+    def test_matches_reference(self, n, hkv, g, page_size, dtype, num_nodes):
+        """Random forests (two roots) after prefixes 1, 3, 513, 1023, NaN in every unreadable
+        slot (padding nodes' too); auto split-K."""
+        self._tree(n, LENGTHS, hkv, g, page_size, dtype, num_nodes=num_nodes)
 
     @pytest.mark.slow
     @pytest.mark.parametrize("num_splits", [1, 4])
@@ -56,10 +56,6 @@ class TestTreeAttentionInterpret:
     @pytest.mark.parametrize("n", [16, 64])
     def test_matches_reference_sizes(self, n, dtype, num_splits):
         self._tree(n, LENGTHS, 2, 3, 16, dtype, num_splits=num_splits)
-
-    def test_padding_nodes(self):
-        """num_nodes < N: padding nodes are never attended to (their slots hold NaN)."""
-        self._tree(16, (5, 600), 2, 2, 8, jnp.float32, seed=3, num_nodes=(16, 9))
 
     def test_equals_causal_attention_on_each_branch(self):
         """Every node's output equals ordinary causal attention over its root-to-leaf branch laid
@@ -117,7 +113,7 @@ class TestTreeAttentionGPU(TestTreeAttentionInterpret):
     HEAD_DIM = 64
 
 
-@pytest.mark.parametrize("n", [1, 16, 64])
+@pytest.mark.parametrize("n", [1, 23])
 def test_ancestor_mask(n):
     """Doubling mask == walked mask == numpy, for topological and shuffled node orders."""
     rng = np.random.default_rng(n)
