@@ -112,7 +112,8 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, start_ref, nnew_ref, bits_ref, *out_ref
         pages = pt_ref[pl.ds(i * pages_per_block, pages_per_block)]  # [ppb]
         k = k_ref[pages].reshape(block_k, d)  # [Kb, Dp]
         v = v_ref[pages].reshape(block_k, d)
-        return k, v
+        # tl.dot needs one operand dtype: a cache stored in another dtype than q is cast here.
+        return k.astype(q.dtype), v
 
     def scores(k):
         return lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,

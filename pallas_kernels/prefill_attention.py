@@ -89,7 +89,7 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, start_ref, nnew_ref, o_ref, *, scale: f
     def step(i, carry, masked: bool):
         acc, m_prev, l_prev = carry
         pages = pt_ref[pl.ds(i * pages_per_block, pages_per_block)]  # [ppb]
-        k = k_ref[pages].reshape(block_k, d)  # [Kb, Dp]
+        k = k_ref[pages].reshape(block_k, d).astype(q.dtype)  # [Kb, Dp]; tl.dot: one dtype
         v = v_ref[pages].reshape(block_k, d)
         if masked:
             j = i * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)  # slot ids

@@ -150,17 +150,21 @@ class TestPagedAttentionInterpret:
     def test_matches_reference_all_shapes(self, page_size, hkv, g, t, dtype):
         self._matches(page_size, hkv, g, t, dtype)
 
-    @pytest.mark.parametrize("num_splits", [1, 3])
-    def test_split_k_matches_unsplit(self, num_splits):
-        """Explicit split counts (3 is more than the short sequences have key blocks, so some
-        splits are empty) agree with the reference; a tree mask and padded queries ride along."""
+    def test_split_k_matches_unsplit(self):
+        """Split-K (3 splits: more than the short sequences have key blocks, so some splits are
+        empty) equals the unsplit kernel and the reference; a tree mask and padded queries ride
+        along."""
         t = 6
         q, k, v, pt, start, nnew = self._case(1, LENGTHS, t, 2, 3, 16, jnp.float32,
                                               num_new=(6, 1, 4, 6))
         mask = tree_mask(random_parents(np.random.default_rng(2), len(LENGTHS), t))
-        sizes = pa.BlockSizes(num_splits=num_splits, pages_per_block=2)
-        got = self._run(q, k, v, pt, start, nnew, mask, block_sizes=sizes)
-        check(got, reference(q, k, v, pt, start, nnew, mask), jnp.float32)
+        want = reference(q, k, v, pt, start, nnew, mask)
+        outs = [self._run(q, k, v, pt, start, nnew, mask,
+                          block_sizes=pa.BlockSizes(num_splits=n, pages_per_block=2))
+                for n in (1, 3)]
+        for got in outs:
+            check(got, want, jnp.float32)
+        np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(outs[0]), atol=1e-6, rtol=1e-6)
 
     def test_split_merge_of_empty_splits(self):
         """merge_splits: empty splits (l = 0) drop out; all-empty rows give 0."""
@@ -263,9 +267,11 @@ def test_lowers_to_triton():
         lambda q, kp: pf.prefill_attention(q, kp, kp, pt, start, nnew, interpret=False),
         lambda q, kp: ta.tree_attention(q, kp, kp, pt, start, parents, interpret=False),
     ]
-    for dtype in (jnp.bfloat16, jnp.float32):
+    # bf16, fp32, and an fp32 model over a bf16 cache
+    for q_dtype, kv_dtype in ((jnp.bfloat16,) * 2, (jnp.float32,) * 2,
+                              (jnp.float32, jnp.bfloat16)):
         for fn in calls:
-            lowered = jax.jit(fn).trace(q.astype(dtype), kp.astype(dtype)).lower(
+            lowered = jax.jit(fn).trace(q.astype(q_dtype), kp.astype(kv_dtype)).lower(
                 lowering_platforms=("cuda",))
             assert "triton" in lowered.as_text()
 
