@@ -156,6 +156,28 @@ def test_scheduler_plans_chunks_and_allocates_ahead():
     assert list(s.waiting) == [reqs[2]]
 
 
+def test_engine_config_is_validated(target, drafts):
+    bad = [(dict(method="none", max_slots=0), "max_slots"),
+           (dict(method="none", batch_buckets=(2, 4)), "end at max_slots"),
+           (dict(method="none", token_buckets=(0,)), "token_buckets"),
+           (dict(method="none", num_pages=2), "num_pages"),
+           (dict(method="none", max_model_len=10_000), "max_model_len"),
+           (dict(method="none", schedule="eager"), "schedule"),
+           (dict(method="none", spec_max_batch=-1), "spec_max_batch"),
+           (dict(method="draft", tree=TreeConfig()), "tree"),
+           (dict(method="medusa"), "method")]
+    for kw, match in bad:
+        with pytest.raises(ValueError, match=match):
+            Engine(target, drafts.get(kw["method"]), EngineConfig(**kw))
+    with pytest.raises(ValueError, match="needs a draft"):
+        Engine(target, None, EngineConfig(method="draft"))
+    with pytest.raises(TypeError, match="needs a draft head"):
+        Engine(target, drafts["draft"], EngineConfig(method="mtp"))
+    assert Engine(target, None, EngineConfig(max_slots=6)).batch_buckets == (1, 2, 4, 6)
+    assert Engine(target, drafts["draft"], EngineConfig(method="draft")).schedule == "sync"
+    assert Engine(target, drafts["mtp"], EngineConfig(method="mtp")).schedule == "async"
+
+
 # --------------------------------------------------------------------- the loaded-engine test
 
 

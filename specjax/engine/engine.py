@@ -243,8 +243,14 @@ class Engine:
         if not batch_buckets or batch_buckets[-1] != cfg.max_slots or batch_buckets[0] < 1:
             raise ValueError(f"batch_buckets {batch_buckets} must be >= 1 and end at max_slots "
                              f"{cfg.max_slots}")
-        if not token_buckets or token_buckets[0] < 1:
-            raise ValueError(f"token_buckets must be positive, got {cfg.token_buckets}")
+        if not token_buckets or not all(_is_int(t) and t >= 1 for t in token_buckets):
+            raise ValueError(f"token_buckets must be positive ints, got {cfg.token_buckets}")
+        if not _is_int(cfg.page_size) or cfg.page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {cfg.page_size!r}")
+        for name in ("spec_max_batch", "max_prefill_tokens", "num_pages"):
+            value = getattr(cfg, name)
+            if value is not None and (not _is_int(value) or value < (0 if name == "spec_max_batch" else 1)):
+                raise ValueError(f"{name} must be None or a positive int, got {value!r}")
 
         self.target, self.draft, self.config = target, draft, cfg
         self.schedule = schedule
