@@ -418,3 +418,32 @@ def test_host_work_overlaps_device_steps(schedule):
     assert sum(busy) >= 0.8 * n  # the host got control back while the device step still ran
     assert host > 0.8 * device  # host work comparable to device work
     assert wall / n < 0.9 * (host + device), (wall / n, host, device)
+
+
+# ------------------------------------------------------------------------------ slow variants
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["draft", "mtp"])
+def test_sampled_requests_follow_the_target_distribution(method):
+    """20k seeded requests of one prompt at temperature 1 through the engine (prefill sampling +
+    speculative steps): the joint law of their first 3 tokens is the target's (chi-square)."""
+    from tests.test_speculative import ALPHA, N_ROWS, PROMPT, V, _chi2_pvalue, _exact_joint
+    target = tiny_model(11, vocab=V, hidden=16, layers=2, heads=2, kv_heads=1, scale=1.0)
+    if method == "draft":
+        draft = tiny_model(12, vocab=V, hidden=16, layers=1, heads=2, kv_heads=1, scale=1.0)
+    else:
+        cfg = HeadConfig.for_target(target.config, "mtp")
+        draft = Head(init_head(cfg, jax.random.key(5), scale=1.0), cfg)
+    engine = Engine(target, draft, EngineConfig(
+        method=method, num_draft_tokens=2, max_slots=64, batch_buckets=(64,), token_buckets=(8,),
+        max_model_len=16, page_size=4))
+    params = [RequestParams(max_tokens=3, temperature=1.0, seed=i, stop_token_ids=())
+              for i in range(N_ROWS)]
+    handles = [engine.submit(PROMPT, p) for p in params]
+    engine.run()
+    toks = np.array([h.result() for h in handles])
+    cells = toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2]
+    stats = engine.stats()
+    assert 0.01 < stats["acceptance_rate"] < 0.99  # accept and residual paths both exercised
+    assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0)) > ALPHA
