@@ -16,7 +16,8 @@ section 6 differ in where the one blocking read sits:
 * ``"sync"`` (draft-target): plan step t+1 while step t runs on the device (the plan uses
   upper-bound lengths), then block on step t's accepted tokens (the one host sync per step),
   drop rows that just finished, pack and dispatch t+1; streaming callbacks and metrics for step
-  t run while t+1 executes.
+  t run while t+1 executes. The draft catch-up is fused into the step (speculate.spec_step), so
+  the sync also waits for it; only plan-fixup, packing and dispatch leave the device idle.
 * ``"async"`` (one-token MTP, also used for plain decoding): step t+1 is planned and dispatched
   *before* step t's accepted lengths are read: the device computes the next inputs itself (last
   token, lengths and carried draft state live in its slot state), and the host reads t's lengths
