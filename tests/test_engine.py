@@ -314,6 +314,7 @@ def test_streaming_iterator_and_callbacks(target, drafts):
 
 def test_background_serving_with_concurrent_submitters(target, drafts):
     engine = make_engine(target, drafts, "mtp")
+    engine.warmup()
     engine.start()
     try:
         results = {}
@@ -327,7 +328,7 @@ def test_background_serving_with_concurrent_submitters(target, drafts):
         for t in threads:
             t.start()
         for t in threads:
-            t.join(60)
+            t.join(300)
     finally:
         engine.stop()
     assert len(results) == 15
