@@ -4,7 +4,7 @@ A ``Mesh`` has two axes: ``dp`` splits the batch (independent sequences, each dp
 independent replica of the decode loop) and ``tp`` splits each model's tensors (Megatron style).
 ``generate_device`` runs ``speculate.prefill`` + ``speculate.decode_loop`` under ``jax.jit`` with
 the layouts below; the caches, the batch state and the weights keep one layout for the whole
-``lax.while_loop``, so the loop never reshards (``loop_collectives`` reads the compiled HLO).
+``lax.while_loop``, so the loop never reshards (``collectives`` reads that off the compiled HLO).
 
 Layouts (``-`` = replicated; a dimension listed as ``tp`` is split over the tp axis)::
 
@@ -251,8 +251,9 @@ def _per_dp_shard(core, mesh, q, k, v, k_pages, v_pages, page_table, cache_start
         pt = jnp.where(pt >= 0, pt - first, pt)  # -1 (unallocated) stays -1
         return core(q, k, v, kp, vp, pt, cs, valid, mask[0] if mask else None)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(rows,) * 3 + (pool, pool) + (rows,) * (3 + len(masks)),
-                         out_specs=(rows, pool, pool), axis_names={"dp"}, check_vma=False)(
+    in_specs = (rows,) * 3 + (pool, pool) + (rows,) * (3 + len(masks))
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(rows, pool, pool),
+                         axis_names={"dp"}, check_vma=False)(
         q, k, v, k_pages, v_pages, page_table, cache_start, valid, *masks)
 
 

@@ -2,10 +2,11 @@
 
 Needs its own process: the device count is fixed when jax starts. Run as
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/_sharding_check.py CASES OUT``.
-CASES: comma-separated ``target:method:tp:dp[:placement]`` (target "kv8" or "kv2", method
-"none" | "draft" | "mtp", placement of a draft LLM "replicated" | "sharded"), or "default" /
-"full"; an extra ``api`` case computes one-device ``specjax.generate`` tokens for the
-multi-process test. Writes JSON: one record per case (greedy tokens equal to one device, max
+CASES: comma-separated ``target:method:tp:dp[:option...]`` (target "kv8" or "kv2", method
+"none" | "draft" | "mtp"; options: the placement of a draft LLM "replicated" | "sharded", and
+"no-tf" to skip the teacher-forced target logits), or "default" / "full"; an extra ``api`` case
+computes one-device ``specjax.generate`` tokens for the multi-process test. Cases of one target
+in one process share its one-device references. Writes JSON: one record per case (greedy tokens equal to one device, max
 |logit difference| for the target (teacher-forced) and the draft / head (carried logits), the
 compiled program's collectives, timings).
 """
@@ -33,7 +34,7 @@ PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12], [4] * 17, [9, 9], [3, 1, 4, 1,
 MAX_NEW, K, TP_LEN, OUT_LEN, PAGES_PER_SEQ = 20, 3, 32, 32, 6
 # Every mesh, every method, both KV layouts (split over tp; replicated when tp > Hkv = 2) and
 # both placements of a draft LLM at least once.
-DEFAULT = ["kv2:none:8:1", "kv8:draft:4:2", "kv2:mtp:2:4", "kv8:draft:8:1:sharded"]
+DEFAULT = ["kv2:none:8:1", "kv2:mtp:2:4", "kv8:draft:4:2", "kv8:draft:8:1:sharded:no-tf"]
 FULL = [f"{m}:{method}:{tp}:{dp}" for m in ("kv8", "kv2") for method in ("none", "draft", "mtp")
         for tp, dp in ((8, 1), (4, 2), (2, 4))] + ["kv8:draft:4:2:sharded", "kv2:draft:2:4:sharded"]
 
@@ -97,8 +98,8 @@ def teacher_forced(params, tokens, *, cfg):
 
 def _tp_split_sizes(params, specs):
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
-    return [int(np.prod(leaf.shape)) for leaf, s in
-            zip(jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=is_spec)) if "tp" in tuple(s)]
+    pairs = zip(jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=is_spec))
+    return [int(np.prod(leaf.shape)) for leaf, s in pairs if "tp" in tuple(s)]
 
 
 def _tokens(state):
@@ -107,10 +108,11 @@ def _tokens(state):
 
 
 def run_case(case, mdls, cache):
-    name, method, tp, dp, *placement = case.split(":")
+    name, method, tp, dp, *options = case.split(":")
     target, drafts = mdls[name]
     draft = drafts[method]
     dparams = None if draft is None else draft.params
+    placement = [o for o in options if o in sharding.PLACEMENTS]
     plan = sharding.ShardingPlan(sharding.make_mesh(tp=int(tp), dp=int(dp)), *placement)
     args, st = inputs(), static(target, draft, method)
     c0, t0 = time.process_time(), time.perf_counter()
@@ -129,8 +131,12 @@ def run_case(case, mdls, cache):
     for i, (p, g) in enumerate(zip(PROMPTS, _tokens(ref))):
         seqs[i, :len(p) + len(g)] = p + g
     if name not in cache:
-        cache[name] = np.asarray(teacher_forced(target.params, jnp.asarray(seqs), cfg=target.config))
-    diffs = {"target_logits": float(np.max(np.abs(sharding.logits(target, seqs, plan) - cache[name])))}
+        cache[name] = np.asarray(teacher_forced(target.params, jnp.asarray(seqs),
+                                                cfg=target.config))
+    diffs = {}
+    if "no-tf" not in options:
+        sharded = sharding.logits(target, seqs, plan)
+        diffs["target_logits"] = float(np.max(np.abs(sharded - cache[name])))
     t4 = time.perf_counter()
     if draft is not None:
         diffs["draft_logits"] = float(np.max(np.abs(np.asarray(got.draft_logits)
