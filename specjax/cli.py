@@ -318,6 +318,9 @@ def _train_common(p):
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--rollout", type=int, default=1,
+                   help="heads: training passes fed the head's own previous output (EAGLE-3-style "
+                        "training-time test; 1 = teacher-forced only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-prompts", type=int, default=8)
 
@@ -331,7 +334,7 @@ def _prepare_training(args):
     pipeline.prepare(target, tok, args.work, args.num_prompts, args.num_wiki, args.held_out_prompts,
                      args.answer_tokens, args.seq_len)
     tc = trainer.TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                             lr=args.lr, seed=args.seed)
+                             lr=args.lr, seed=args.seed, rollout=args.rollout)
     return target, tok, tc, pipeline
 
 

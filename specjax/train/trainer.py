@@ -38,6 +38,7 @@ class TrainConfig:
     reg_weight: float = 1.0  # SmoothL1 on hidden states (heads only)
     cls_weight: float = 0.1  # soft CE on next-token distribution (heads)
     grad_clip: float = 0.5
+    rollout: int = 1  # heads: passes fed their own previous output (1 = teacher-forced only)
     seed: int = 0
     save_every: int = 50
     log_every: int = 10
@@ -60,28 +61,45 @@ def _smooth_l1(x, y):
 
 def head_loss(head_params, head_cfg: heads.HeadConfig, tp, tcfg, tokens, lengths, hidden,
               tc: TrainConfig):
-    """Teacher-forced head loss on one batch. tp/tcfg: the target's params and config;
-    tokens [B, T], lengths [B], hidden [B, T, E]."""
+    """Head loss on one batch. tp/tcfg: the target's params and config; tokens [B, T],
+    lengths [B], hidden [B, T, E].
+
+    Pass 1 is teacher-forced: head position j sees (x_{j+1}, f_j). With ``tc.rollout`` = R > 1,
+    pass r feeds position j the head's own pass-(r-1) output at j-1 in place of f_j, the input it
+    gets when drafting its r-th token (the feature it was trained to predict); gradients flow
+    through the fed-back features. The loss averages the R passes; metrics report pass 1 (and
+    ``top1_r{R}`` for the last pass). Unlike inference, the earlier positions of pass r also use
+    fed-back features (their cached K/V would come from the target's features).
+    """
     b, t = tokens.shape
     hidden = hidden.astype(jnp.float32)
     feats = heads.head_features(tp, tcfg, hidden[:, :-1], head_cfg)  # f_j, j = 0..T-2
     h_next = hidden[:, 1:]  # h_{j+1}
     teacher = jax.lax.stop_gradient(lm_head(tp, tcfg, h_next))  # predicts x_{j+2}
     kv, pt, pos = _paged(b, t - 1, head_cfg.layer)
-    hh, _ = heads.head_forward(head_params, head_cfg, tp, tcfg, tokens[:, 1:], feats, pos, kv, pt,
-                               jnp.zeros((b,), jnp.int32), jnp.maximum(lengths - 1, 1))
-    logits = heads.head_logits(head_params, head_cfg, tp, tcfg, hh)
     mask = (jnp.arange(t - 1)[None, :] < (lengths - 1)[:, None]).astype(jnp.float32)  # j+1 < len
-    if head_cfg.norms:
-        reg = _smooth_l1(rms_norm(hh, jnp.ones(hh.shape[-1]), 1e-6),
-                         rms_norm(h_next, jnp.ones(hh.shape[-1]), 1e-6))
-    else:
-        reg = _smooth_l1(hh, heads.head_features(tp, tcfg, h_next, head_cfg))
-    cls = _soft_ce(teacher, logits)
     denom = jnp.maximum(mask.sum(), 1.0)
-    reg, cls = (reg * mask).sum() / denom, (cls * mask).sum() / denom
-    top1 = ((jnp.argmax(logits, -1) == jnp.argmax(teacher, -1)) * mask).sum() / denom
-    return tc.reg_weight * reg + tc.cls_weight * cls, {"reg": reg, "cls": cls, "top1": top1}
+    if head_cfg.norms:
+        reg_target = rms_norm(h_next, jnp.ones(h_next.shape[-1]), 1e-6)
+    else:
+        reg_target = heads.head_features(tp, tcfg, h_next, head_cfg)
+    total, metrics = 0.0, {}
+    for r in range(max(tc.rollout, 1)):
+        hh, _ = heads.head_forward(head_params, head_cfg, tp, tcfg, tokens[:, 1:], feats, pos, kv,
+                                   pt, jnp.zeros((b,), jnp.int32), jnp.maximum(lengths - 1, 1))
+        logits = heads.head_logits(head_params, head_cfg, tp, tcfg, hh)
+        out = rms_norm(hh, jnp.ones(hh.shape[-1]), 1e-6) if head_cfg.norms else hh
+        reg = (_smooth_l1(out, reg_target) * mask).sum() / denom
+        cls = (_soft_ce(teacher, logits) * mask).sum() / denom
+        top1 = ((jnp.argmax(logits, -1) == jnp.argmax(teacher, -1)) * mask).sum() / denom
+        total = total + tc.reg_weight * reg + tc.cls_weight * cls
+        if r == 0:
+            metrics = {"reg": reg, "cls": cls, "top1": top1}
+        elif r == tc.rollout - 1:
+            metrics[f"top1_r{r + 1}"] = top1
+        # next pass: position j is fed the head's output at j - 1 (position 0 keeps f_0)
+        feats = jnp.concatenate([feats[:, :1], hh[:, :-1].astype(feats.dtype)], axis=1)
+    return total / max(tc.rollout, 1), metrics
 
 
 def draft_loss(trainable, tp, tcfg, cfg, tokens, lengths, hidden, tc: TrainConfig):
