@@ -348,3 +348,13 @@ def test_generate_rejects_bad_tree_arguments(target):
     with pytest.raises(TypeError, match="head"):
         sj.generate(target, PROMPTS, draft=tiny_model(1, hidden=16, layers=1, heads=2, kv_heads=1),
                     method="eagle-tree")
+
+
+def test_pallas_tree_attention_in_the_loop(target, plain):
+    """The fused tree loop gives the same greedy tokens with the Pallas kernels (interpret mode on
+    CPU): the ancestor mask travels through the kernel's new-token bitmask."""
+    head = _head(target, "eagle")
+    out = sj.generate(target, PROMPTS[:2], max_new_tokens=8, draft=head, method="eagle-tree",
+                      tree=TreeConfig(depth=3, top_k=2, num_nodes=5), eos_token_id=[],
+                      attn_impl="pallas")
+    assert out.tokens == [row[:8] for row in plain[:2]]
