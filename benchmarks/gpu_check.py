@@ -109,12 +109,12 @@ LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, n
 TINY_T = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
               num_kv_heads=2, head_dim=16, rope_theta=500000.0, max_position_embeddings=1024,
               tie_word_embeddings=False)
-TINY_D = dict(TINY_T, hidden_size=32, intermediate_size=64, num_layers=1, head_dim=8)
+TINY_D = dict(TINY_T, intermediate_size=64, num_layers=1, head_dim=8)
 
 FULL = Sizes(synth_target=LLAMA3_8B, synth_draft=LLAMA32_1B)
 SMOKE = Sizes(bandwidth_bytes=16 << 20, synth_target=TINY_T, synth_draft=TINY_D,
-              synth_alphas=(0.7,), synth_k=3, synth_prompt_len=8, synth_new=12, synth_batch=2,
-              repeats=1, smol_new=6, smol_prompts=1, smol_batch=2, smol_tiny=True)
+              synth_alphas=(0.7,), synth_k=3, synth_prompt_len=8, synth_new=24, synth_batch=1,
+              repeats=1, smol_new=6, smol_prompts=1, smol_batch=1, smol_tiny=True)
 
 
 # ------------------------------------------------------------------------------ reporting
@@ -692,8 +692,9 @@ def sec_smollm2(sizes: Sizes, explicit: str | None, report: Report):
     with jax.default_matmul_precision("highest"):
         rep = bench.run(target, prompts, num_prompts=sizes.smol_prompts,
                         max_new_tokens=sizes.smol_new, batch=sizes.smol_batch,
-                        repeats=sizes.repeats, drafts=drafts, ks=ks, hf=True, prompt_lookup_k=3,
-                        progress=False, hf_device=torch_device(), cost_model=True)
+                        repeats=sizes.repeats, drafts=drafts, ks=ks, hf=True,
+                        prompt_lookup_k=0 if sizes.smol_tiny else 3, progress=False,
+                        hf_device=torch_device(), cost_model=not sizes.smol_tiny)
     for res in rep["results"].values():
         for d in res.values():
             d.pop("tokens", None)
