@@ -11,12 +11,14 @@ Layouts (``-`` = replicated; a dimension listed as ``tp`` is split over the tp a
     embed      [V, E]          (tp, -)      vocab-parallel (replicated when tp does not divide V)
     lm_head    [E, V]          (-, tp)
     wq         [E, H*D]        (-, tp)      attention heads (tp must divide H)
-    wk, wv     [E, Hkv*D]      (-, tp)      KV heads; replicated when tp does not divide Hkv
+    wk, wv     [E, Hkv*D]      (-, tp)      KV heads; when tp does not divide Hkv, each KV head
+                                            is first repeated to lcm(Hkv, tp) heads (GQA with
+                                            few KV heads: repeat_kv_heads, as vLLM does)
     wo         [H*D, E]        (tp, -)      one all-reduce of [B, T, E] per layer
     w_gate/up  [E, F]          (-, tp)      MLP hidden (tp must divide F)
     w_down     [F, E]          (tp, -)      one all-reduce of [B, T, E] per layer
     norms, output biases        -
-    KV pools   [Hkv, P, S, D]  (tp|-, dp, -, -)   pages split over dp, KV heads over tp
+    KV pools   [Hkv, P, S, D]  (tp, dp, -, -)   pages split over dp, KV heads over tp
     batch state [B, ...]       (dp, ...)    page_table, lengths, tokens, keys, out buffer
     MTP / EAGLE head           sharded with the target: its block as a target layer, the
                                shared embedding / lm_head vocab-parallel, eh_proj replicated
@@ -51,6 +53,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import re
 
@@ -150,7 +153,8 @@ def _axis_if(divisible: bool):
 
 
 def layer_specs(lp: dict, cfg: ModelConfig, tp: int) -> dict:
-    """PartitionSpecs of one decoder layer's params (see the module docstring)."""
+    """PartitionSpecs of one decoder layer's params (see the module docstring). wk / wv stay
+    replicated when tp does not divide Hkv: repeat_kv_heads first to split them."""
     kv = _axis_if(cfg.num_kv_heads % tp == 0)
     rules = {"attn_norm": P(), "mlp_norm": P(),
              "wq": P(None, "tp"), "bq": P("tp"), "wk": P(None, kv), "bk": P(kv),
@@ -191,6 +195,61 @@ def replicated_specs(params) -> dict:
 def kv_spec(num_kv_heads: int, tp: int, heads_over_tp: bool = True) -> P:
     """Spec of one [Hkv, P, S, D] pool: pages over dp, KV heads over tp when tp divides Hkv."""
     return P(_axis_if(heads_over_tp and num_kv_heads % tp == 0), "dp", None, None)
+
+
+def kv_heads_for(num_kv_heads: int, tp: int) -> int:
+    """KV heads of the sharded model: lcm(Hkv, tp), so that they split evenly over tp."""
+    return math.lcm(num_kv_heads, tp)
+
+
+def repeat_kv_heads(params: dict, cfg: ModelConfig, tp: int):
+    """An equivalent model whose KV heads split evenly over ``tp`` (GQA with tp not dividing Hkv).
+
+    Each KV head is repeated r = lcm(Hkv, tp) / Hkv times (the wk / wv / bk / bv columns), as
+    vLLM and TensorRT-LLM replicate KV heads over TP ranks: query head j still attends to a copy
+    of KV head j // (H / Hkv), outputs are unchanged, and every device computes and caches only
+    the KV heads its query heads read (Hkv' / tp of them) instead of all Hkv.
+    Returns (params, cfg); unchanged when tp already divides Hkv.
+    """
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"repeat_kv_heads needs a ModelConfig, got {type(cfg).__name__}")
+    hkv, d = cfg.num_kv_heads, cfg.head_dim
+    new = kv_heads_for(hkv, tp)
+    if new == hkv:
+        return params, cfg
+
+    def rep(w):  # [..., Hkv*D] -> [..., Hkv'*D], head h -> heads h*r .. h*r + r - 1
+        w = jnp.asarray(w)
+        lead = w.shape[:-1]
+        return jnp.repeat(w.reshape(*lead, hkv, d), new // hkv, axis=-2).reshape(*lead, new * d)
+
+    def layer(lp):
+        return dict(lp, **{n: rep(lp[n]) for n in ("wk", "wv", "bk", "bv") if n in lp})
+
+    return (dict(params, layers=[layer(lp) for lp in params["layers"]]),
+            dataclasses.replace(cfg, num_kv_heads=new))
+
+
+def sharded_configs(plan: ShardingPlan, target_cfg, draft_cfg):
+    """The (target, draft) configs the sharded program runs: KV heads repeated to lcm(Hkv, tp)
+    for the target, an MTP / EAGLE head and a "sharded" draft LLM; a replicated draft as is."""
+    def rep(cfg):
+        return dataclasses.replace(cfg, num_kv_heads=kv_heads_for(cfg.num_kv_heads, plan.tp))
+
+    target_cfg = rep(target_cfg)
+    if _is_head(draft_cfg):
+        draft_cfg = dataclasses.replace(draft_cfg, layer=rep(draft_cfg.layer))
+    elif draft_cfg is not None and plan.draft_placement == "sharded":
+        draft_cfg = rep(draft_cfg)
+    return target_cfg, draft_cfg
+
+
+def _prepare(params, cfg, tp):
+    """(params, cfg) with repeated KV heads, for a Model-like config or a head config."""
+    if _is_head(cfg):
+        lp, layer = repeat_kv_heads({"layers": [params["layer"]]}, cfg.layer, tp)
+        return dict(params, layer=lp["layers"][0]), dataclasses.replace(cfg, layer=layer)
+    return repeat_kv_heads(params, cfg, tp)
 
 
 def _is_head(draft_cfg) -> bool:
@@ -317,10 +376,14 @@ def place(tree, specs, plan: ShardingPlan):
 
 
 def shard_model(m: model.Model, mesh_or_plan) -> model.Model:
-    """The target with its params placed tensor-parallel (do it once; generate reuses them)."""
+    """The target with its params placed tensor-parallel (do it once; generate reuses them).
+
+    When tp does not divide its KV heads the result is the equivalent model with KV heads
+    repeated to lcm(Hkv, tp) (``repeat_kv_heads``; its config says so)."""
     plan = as_plan(mesh_or_plan)
-    specs = model_specs(m.params, m.config, plan.tp)
-    return dataclasses.replace(m, params=place(m.params, specs, plan))
+    params, cfg = repeat_kv_heads(m.params, m.config, plan.tp)
+    return dataclasses.replace(m, params=place(params, model_specs(params, cfg, plan.tp), plan),
+                               config=cfg)
 
 
 def shard_draft(draft, mesh_or_plan):
@@ -329,8 +392,11 @@ def shard_draft(draft, mesh_or_plan):
     if plan.draft_placement == "leader" and not _is_head(draft.config):
         return dataclasses.replace(draft, params=jax.device_put(
             draft.params, jax.sharding.SingleDeviceSharding(plan.leader_device)))
-    specs = draft_specs(draft.params, draft.config, plan)
-    return dataclasses.replace(draft, params=place(draft.params, specs, plan))
+    params, cfg = draft.params, draft.config
+    if _is_head(cfg) or plan.draft_placement == "sharded":
+        params, cfg = _prepare(params, cfg, plan.tp)
+    return dataclasses.replace(draft, params=place(params, draft_specs(params, cfg, plan), plan),
+                               config=cfg)
 
 
 # ------------------------------------------------------------------------------ the programs
@@ -374,8 +440,11 @@ def place_inputs(plan: ShardingPlan, target_params, draft_params, tokens, prompt
     if b % plan.dp:
         raise ValueError(f"the batch ({b} rows) must be a multiple of dp={plan.dp}")
     rows, rows2 = plan.sharding(P("dp")), plan.sharding(P("dp", None))
+    target_params, target_cfg = _prepare(target_params, target_cfg, plan.tp)
     target_params = place(target_params, model_specs(target_params, target_cfg, plan.tp), plan)
     if draft_params is not None:
+        if _is_head(draft_cfg) or plan.draft_placement == "sharded":
+            draft_params, draft_cfg = _prepare(draft_params, draft_cfg, plan.tp)
         draft_params = place(draft_params, draft_specs(draft_params, draft_cfg, plan), plan)
     rp = dataclasses.replace(
         rp, **{f.name: _put(getattr(rp, f.name), rows) for f in dataclasses.fields(rp)
@@ -394,6 +463,7 @@ def generate_device(plan: ShardingPlan, target_params, draft_params, tokens, pro
     """
     args = place_inputs(plan, target_params, draft_params, tokens, prompt_lens, rp, seed,
                         target_cfg=target_cfg, draft_cfg=draft_cfg)
+    target_cfg, draft_cfg = sharded_configs(plan, target_cfg, draft_cfg)
     static = dict(plan=plan, target_cfg=target_cfg, draft_cfg=draft_cfg, lc=lc,
                   num_pages_per_seq=num_pages_per_seq, out_len=out_len)
     if jax.process_count() == 1:
@@ -430,6 +500,8 @@ def lower_generate(plan: ShardingPlan, *placed, full_state: bool = False, **stat
     partitioned HLO (see ``collectives``). full_state=True: the program returns the whole final
     DecodeState (sharded; carried draft logits, caches) instead of generate_device's outputs.
     """
+    static["target_cfg"], static["draft_cfg"] = sharded_configs(plan, static["target_cfg"],
+                                                                static["draft_cfg"])
     return (_state_jit if full_state else _generate_jit).lower(*placed, plan=plan, **static)
 
 
@@ -454,9 +526,10 @@ def logits(m: model.Model, tokens, mesh_or_plan, lengths=None) -> np.ndarray:
                          f"got shape {tokens.shape}")
     b, t = tokens.shape
     lengths = np.full((b,), t, np.int32) if lengths is None else np.asarray(lengths, np.int32)
-    params = place(m.params, model_specs(m.params, m.config, plan.tp), plan)
+    params, cfg = repeat_kv_heads(m.params, m.config, plan.tp)
+    params = place(params, model_specs(params, cfg, plan.tp), plan)
     out = _logits_jit(params, _put(tokens, plan.sharding(P("dp", None))),
-                      _put(lengths, plan.sharding(P("dp"))), cfg=m.config, plan=plan)
+                      _put(lengths, plan.sharding(P("dp"))), cfg=cfg, plan=plan)
     return np.asarray(out)
 
 

@@ -8,6 +8,7 @@ dominates; both sides of every comparison are compiled the same way).
 """
 
 import json
+import math
 import os
 import re
 import socket
@@ -119,11 +120,10 @@ def _check_record(r):
         assert elements < r["pool_elements"], (r["case"], op, shape)
     # TP really happens in the loop (the analysis sees it): the layers' all-reduces.
     assert any(op == "all-reduce" and len(shape.split(",")) == 3 for op, shape, _, _ in in_loop)
-    # Pools [Hkv, P, S, D]: pages split over dp; KV heads over tp, or replicated when tp > Hkv.
+    # Pools [Hkv, P, S, D]: pages split over dp, KV heads over tp (repeated to lcm(Hkv, tp)).
     hkv, pages, s, d = r["pool_shape"]
-    assert hkv == (8 if r["case"].startswith("kv8") else 2)
-    assert r["pool_shard_shape"] == [hkv // r["tp"] if hkv % r["tp"] == 0 else hkv,
-                                     pages // r["dp"], s, d]
+    assert hkv == math.lcm(8 if r["case"].startswith("kv8") else 2, r["tp"])
+    assert r["pool_shard_shape"] == [hkv // r["tp"], pages // r["dp"], s, d]
 
 
 def test_sharded_generation_matches_one_device(launcher):
@@ -211,6 +211,24 @@ def test_layer_specs_split_heads_mlp_vocab_and_replicate_few_kv_heads():
     odd_vocab = _cfg(vocab_size=100)  # tp=8 does not divide V: embed / lm_head replicated
     specs = sharding.model_specs(_shapes(odd_vocab), odd_vocab, 8)
     assert specs["embed"] == P(None, None) and specs["lm_head"] == P(None, None)
+
+
+def test_repeat_kv_heads_gives_each_query_head_its_kv_head():
+    cfg = _cfg(num_kv_heads=2)  # H = 8, D = 16
+    params = jax.tree.map(lambda a: np.random.default_rng(0).normal(size=a.shape).astype(a.dtype),
+                          _shapes(cfg))
+    params["layers"][0]["bv"] = np.arange(2 * 16, dtype=np.float32)
+    for tp, want in ((2, 2), (4, 4), (8, 8)):
+        rep, rcfg = sharding.repeat_kv_heads(params, cfg, tp)
+        assert rcfg.num_kv_heads == want and rcfg.num_heads == 8
+        lp, rlp = params["layers"][0], rep["layers"][0]
+        wk, rwk = lp["wk"].reshape(64, 2, 16), np.asarray(rlp["wk"]).reshape(64, want, 16)
+        for j in range(8):  # query head j reads KV head j // group, before and after
+            np.testing.assert_array_equal(rwk[:, j // (8 // want)], wk[:, j // 4])
+        np.testing.assert_array_equal(np.asarray(rlp["bv"]).reshape(want, 16)[-1],
+                                      lp["bv"].reshape(2, 16)[-1])
+        assert rlp["wq"] is lp["wq"]
+        assert sharding.model_specs(rep, rcfg, tp)["layers"][0]["wk"] == P(None, "tp")
 
 
 def test_tp_must_divide_heads_and_mlp():
