@@ -377,15 +377,21 @@ def test_metrics_have_the_usual_names(target, drafts):
 
 
 @pytest.mark.parametrize("schedule", ["sync", "async"])
-def test_host_work_overlaps_device_steps(schedule):
-    """Host work runs while the device step runs: (1) the timeline shows each step's dispatch
-    returning before the step finished; (2) wall time per step < host time + device time per
-    step, each measured on its own.
+def test_host_work_overlaps_device_steps(schedule, monkeypatch):
+    """Host work runs while the device step runs.
+
+    (1) The timeline: for most steps the dispatch call returned while the step was still
+        running (and, load permitting, it had finished by the time the host, done with its
+        other work, came to read it: reported as ran-during-host-work).
+    (2) Wall time per step is well below the serial time per step (host work + device step,
+        measured by the same workload with every dispatch forced to block), runs interleaved so
+        that load drift hits both alike; on a shared, oversubscribed CPU a sleep can overshoot
+        or the device step stall, so up to three interleaved rounds are tried.
 
     A mid-size model makes the device step long enough for JAX's CPU async dispatch to return
-    before the step finishes (tiny steps run inline) and to dominate timing noise; a streaming
-    callback that sleeps about one device step stands in for host work (detokenisation,
-    network). Serial execution would take host + device per step; overlapped, about the larger.
+    before it finishes; a streaming callback sleeping about one device step stands in for host
+    work (detokenisation, network). Serially a step costs host + device; overlapped, about the
+    larger of the two.
     """
     target = tiny_model(20, vocab=2048, hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64)
     engine = Engine(target, sj.early_exit_draft(target, 1), EngineConfig(
@@ -393,32 +399,48 @@ def test_host_work_overlaps_device_steps(schedule):
         max_model_len=64, page_size=4, schedule=schedule, record_timeline=True))
     engine.warmup()
     meta = jax.device_put(steps.pack([], engine.sc, 8, 0))
+    times = []
+    for _ in range(9):  # one full-batch speculative step, blocking
+        t = time.perf_counter()
+        jax.block_until_ready(engine._call("spec", meta))
+        times.append(time.perf_counter() - t)
+    device = float(np.median(times))
+    overlapped_call = engine._call
 
-    def device_time():  # one full-batch speculative step, blocking
-        times = []
-        for _ in range(9):
-            t = time.perf_counter()
-            jax.block_until_ready(engine._call("spec", meta))
-            times.append(time.perf_counter() - t)
-        return float(np.median(times))
+    def serial_call(kind, meta):
+        return jax.block_until_ready(overlapped_call(kind, meta))
 
-    device = device_time()
-    engine.host_time_s = 0.0
-    t0 = time.perf_counter()
-    # Request 0 outlives the others and gets tokens at every step; its callback sleeps ~1 step.
-    hs = [engine.submit(p[:8], RequestParams(max_tokens=48 if i == 0 else 36, stop_token_ids=()),
-                        callback=(lambda h, new: time.sleep(device)) if i == 0 else None)
-          for i, (p, _) in enumerate(random_requests(8, seed=15))]
-    engine.run()
-    wall = time.perf_counter() - t0
-    device = (device + device_time()) / 2  # load on a shared machine drifts: average both ends
-    n = engine.num_steps
-    host = engine.host_time_s / n
-    assert all(h.finished for h in hs)
-    busy = [e["busy_after_dispatch"] for e in engine.timeline]
-    assert sum(busy) >= 0.8 * n  # the host got control back while the device step still ran
-    assert host > 0.8 * device  # host work comparable to device work
-    assert wall / n < 0.9 * (host + device), (wall / n, host, device)
+    def per_step(serial):
+        monkeypatch.setattr(engine, "_call", serial_call if serial else overlapped_call)
+        n0, h0 = engine.num_steps, engine.host_time_s
+        t0 = time.perf_counter()
+        # Request 0 outlives the others and gets tokens at every step; its callback sleeps.
+        hs = [engine.submit(p[:8], RequestParams(max_tokens=48 if i == 0 else 36,
+                                                 stop_token_ids=()),
+                            callback=(lambda h, new: time.sleep(device)) if i == 0 else None)
+              for i, (p, _) in enumerate(random_requests(8, seed=15))]
+        engine.run()
+        assert all(h.finished for h in hs)
+        n = engine.num_steps - n0
+        tl = engine.timeline[n0:]
+        busy = sum(e["busy_after_dispatch"] for e in tl) / n
+        ran_during_host_work = sum(e["busy_after_dispatch"] and e["ready_at_wait"] for e in tl) / n
+        return (time.perf_counter() - t0) / n, busy, ran_during_host_work
+
+    rounds = []
+    for _ in range(3):
+        over, serial = per_step(False), per_step(True)
+        rounds.append((over, serial))
+        assert over[1] >= 0.8, over  # (1) control came back while the device step ran
+        assert serial[1] == 0  # the serial baseline really blocked at every dispatch
+        if over[0] < 0.8 * serial[0]:
+            print(f"{schedule}: {1e3 * over[0]:.1f} ms/step overlapped vs {1e3 * serial[0]:.1f} "
+                  f"serial (device step {1e3 * device:.1f} ms); busy after dispatch "
+                  f"{over[1]:.2f}, ran during host work {over[2]:.2f}")
+            break
+    else:
+        pytest.fail(f"no overlap measured in 3 rounds (per-step wall, busy, ran-during-host): "
+                    f"{rounds}; device step {device:.4f} s")
 
 
 # ------------------------------------------------------------------------------ slow variants
