@@ -32,7 +32,7 @@ from specjax.model import Model, forward, init_params  # noqa: E402
 PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12], [4] * 17, [9, 9], [3, 1, 4, 1, 5], [2],
            [100, 101]]
 MAX_NEW, K, TP_LEN, OUT_LEN, PAGES_PER_SEQ = 20, 3, 32, 32, 6
-# Every mesh, every method, both KV layouts (split over tp; replicated when tp > Hkv = 2) and
+# Every mesh, every method, KV heads split as they are (8) and repeated to tp (Hkv = 2 < tp) and
 # both placements of a draft LLM at least once.
 DEFAULT = ["kv2:none:8:1", "kv2:mtp:2:4", "kv8:draft:4:2", "kv8:draft:8:1:sharded:no-tf"]
 FULL = [f"{m}:{method}:{tp}:{dp}" for m in ("kv8", "kv2") for method in ("none", "draft", "mtp")

@@ -196,10 +196,10 @@ def _shapes(cfg):
     return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
 
 
-def test_layer_specs_split_heads_mlp_vocab_and_replicate_few_kv_heads():
+def test_layer_specs_split_heads_mlp_and_vocab():
     cfg = _cfg()
     params = _shapes(cfg)
-    for tp, kv in ((2, "tp"), (8, None)):  # Hkv = 2: split at tp=2, replicated at tp=8
+    for tp, kv in ((2, "tp"), (8, None)):  # Hkv = 2: split at tp=2; at tp=8 repeat_kv_heads first
         specs = sharding.model_specs(params, cfg, tp)
         lp = specs["layers"][0]
         assert lp["wq"] == P(None, "tp") and lp["wo"] == P("tp", None)
