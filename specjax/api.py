@@ -185,10 +185,12 @@ def _check_tokens(ids: Sequence[int], vocab: int, what: str) -> list[int]:
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _logits_jit(params, cfg, tokens, length):
     t = tokens.shape[1]  # padded to a bucket; rows beyond `length` are padding
-    kv, page_table = kv_cache.init_contiguous(cfg, 1, t, dtype=params["embed"].dtype)
+    per_seq = kv_cache.pages_needed(t, 16)  # the model family's cache (Llama K/V or DeepSeek latent)
+    kv = speculate.init_cache(cfg, per_seq, 16, params["embed"].dtype)
+    page_table = kv_cache.contiguous_page_table(1, per_seq)
     pos = jnp.arange(t, dtype=jnp.int32)[None, :]
-    logits, _, _ = forward(params, cfg, tokens, pos, kv, page_table, jnp.zeros((1,), jnp.int32),
-                           length[None])
+    logits, _, _ = speculate.forward(params, cfg, tokens, pos, kv, page_table,
+                                     jnp.zeros((1,), jnp.int32), length[None])
     return logits[0]
 
 

@@ -26,7 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax import kv_cache
+from specjax import deepseek, kv_cache
 from specjax.config import ModelConfig
 from specjax.model import decoder_layer, embed, init_params, lm_head, rms_norm
 
@@ -124,6 +124,10 @@ def head_forward(head_params, cfg: HeadConfig, target_params, target_cfg: ModelC
         num_new = jnp.full((b,), t, jnp.int32)
     valid = jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]
     lp = head_params["layer"]
+    if isinstance(lcfg, deepseek.DeepseekConfig):  # DeepSeek-V3 MTP: an MLA + MoE/dense block
+        h, pool = deepseek.decoder_layer(lp, lcfg, x, positions, kv.k[0], page_table, cache_start,
+                                         valid, new_mask, attn_impl)
+        return h, kv_cache.KVCache(k=(pool,), v=kv.v)
     if "attn_norm" not in lp:  # EAGLE-1 drops the block's input norm
         lp = dict(lp, attn_norm=None)
     h, k0, v0 = decoder_layer(lp, lcfg, x, positions, kv.k[0], kv.v[0], page_table, cache_start,
@@ -133,6 +137,9 @@ def head_forward(head_params, cfg: HeadConfig, target_params, target_cfg: ModelC
 
 def head_logits(head_params, cfg: HeadConfig, target_params, target_cfg: ModelConfig, hidden):
     """The shared, frozen lm_head over the head's output: [..., E] -> float32 [..., V]."""
+    if "lm_head" in head_params:  # a head with its own output matrix (loaded MTP layers)
+        x = rms_norm(hidden, head_params["final_norm"], cfg.layer.rms_norm_eps) if cfg.norms else hidden
+        return (x @ head_params["lm_head"]).astype(jnp.float32)
     if cfg.norms:
         return lm_head(dict(target_params, norm=head_params["final_norm"]), target_cfg, hidden)
     w = target_params["embed"].T if target_cfg.tie_word_embeddings else target_params["lm_head"]

@@ -41,8 +41,22 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax import acceptance, heads, kv_cache, sampling, tree
-from specjax.model import forward, lm_head
+from specjax import acceptance, deepseek, heads, kv_cache, sampling, tree
+from specjax.model import forward as _llama_forward
+from specjax.model import lm_head
+
+
+def forward(params, cfg, *args, **kw):
+    """The target family's forward, chosen by the static config type (Llama or DeepSeek MLA+MoE;
+    same contract, see specjax.model.forward)."""
+    fn = deepseek.forward if isinstance(cfg, deepseek.DeepseekConfig) else _llama_forward
+    return fn(params, cfg, *args, **kw)
+
+
+def init_cache(cfg, num_pages, page_size, dtype):
+    """The family's paged cache: Llama K/V pools or DeepSeek latent pools."""
+    init = deepseek.init_cache if isinstance(cfg, deepseek.DeepseekConfig) else kv_cache.init_cache
+    return init(cfg, num_pages, page_size, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +202,7 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
     zeros = jnp.zeros((b,), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (b, tp))
 
-    target_kv = kv_cache.init_cache(target_cfg, num_pages, lc.page_size, kv_dtype)
+    target_kv = init_cache(target_cfg, num_pages, lc.page_size, kv_dtype)
     _, hidden, target_kv = forward(target_params, target_cfg, tokens, positions, target_kv,
                                    page_table, zeros, prompt_lens, attn_impl=lc.attn_impl,
                                    return_logits=False)
@@ -201,7 +215,7 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
         # Head position j sees (x_{j+1}, f_j): the prompt shifted left with the first token at m-1.
         shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
         shifted = jax.vmap(lambda row, i, t: row.at[i].set(t))(shifted, prompt_lens - 1, first)
-        draft_kv = kv_cache.init_cache(draft_cfg.layer, num_pages, lc.page_size, kv_dtype)
+        draft_kv = init_cache(draft_cfg.layer, num_pages, lc.page_size, kv_dtype)
         feats = heads.head_features(target_params, target_cfg, hidden, draft_cfg)
         hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg, shifted,
                                           feats, positions, draft_kv, page_table, zeros, prompt_lens,
@@ -214,7 +228,7 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
         ext = jnp.concatenate([tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
         ext = jax.vmap(lambda row, i, t: row.at[i].set(t))(ext, prompt_lens, first)
         ext_pos = jnp.broadcast_to(jnp.arange(tp + 1, dtype=jnp.int32), (b, tp + 1))
-        draft_kv = kv_cache.init_cache(draft_cfg, num_pages, lc.page_size, kv_dtype)
+        draft_kv = init_cache(draft_cfg, num_pages, lc.page_size, kv_dtype)
         _, dh, draft_kv = forward(draft_params, draft_cfg, ext, ext_pos, draft_kv, page_table, zeros,
                                   prompt_lens + 1, attn_impl=lc.attn_impl, return_logits=False)
         dh_last = jnp.take_along_axis(dh, prompt_lens[:, None, None], axis=1)[:, 0]
