@@ -313,6 +313,7 @@ def sec_smoke():
     from specjax.heads import Head, HeadConfig, init_head
 
     checks = {}
+    on_gpu = jax.default_backend() == "gpu"
     with jax.default_matmul_precision("highest"):
         torch.backends.cuda.matmul.allow_tf32 = False
         t = _tiny_model(0, jnp.float32)
@@ -330,7 +331,7 @@ def sec_smoke():
         checks["greedy_equals_hf"] = {"ok": plain == hf_toks,
                                       "first_divergence": next((i for i, (a, b) in enumerate(
                                           zip(plain, hf_toks)) if a != b), None)}
-        for k in (1, 3):
+        for k in ((1, 3) if on_gpu else (3,)):
             o = sj.generate(t, [prompt], max_new_tokens=n, draft=d, method="draft", num_draft_tokens=k,
                             eos_token_id=[])
             checks[f"draft_k{k}_equals_plain"] = {"ok": o.tokens[0] == plain}
@@ -344,6 +345,9 @@ def sec_smoke():
         o = sj.generate(t, [prompt], max_new_tokens=n, draft=head, method="mtp", num_draft_tokens=2,
                         eos_token_id=[])
         checks["mtp_equals_plain"] = {"ok": o.tokens[0] == plain}
+        if not on_gpu:  # interpret mode on CPU is slow; tests/test_pallas_*.py cover it there
+            return {"checks": checks, "all_ok": all(c["ok"] for c in checks.values()),
+                    "note": "pallas check runs on GPU only"}
         batch = [prompt, prompt[:4], prompt[2:]]
         ref = sj.generate(t, batch, max_new_tokens=n, draft=d, method="draft", num_draft_tokens=3,
                           eos_token_id=[])
@@ -742,7 +746,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/gpu_check"))
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes; runs on CPU in ~20 s")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="stop starting sections after this (default 540; 120 with --cpu-smoke)")
+                    help="stop starting sections after this (default 540; 900 with --cpu-smoke)")
     ap.add_argument("--only", default=None, help="comma-separated sections to run")
     ap.add_argument("--smollm2-gguf", default=None, help="path of the SmolLM2 GGUF")
     ap.add_argument("--kernels-in-smoke", action="store_true",
@@ -757,7 +761,7 @@ def main(argv=None) -> dict:
         stage()
         return {}
     sizes = SMOKE if args.cpu_smoke else FULL
-    budget = args.budget_s or (120.0 if args.cpu_smoke else 540.0)
+    budget = args.budget_s or (900.0 if args.cpu_smoke else 540.0)
     report = Report(args.out, budget)
     report.data["mode"] = "cpu-smoke" if args.cpu_smoke else "full"
     only = set(args.only.split(",")) if args.only else None

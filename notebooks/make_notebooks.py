@@ -223,7 +223,7 @@ plt.tight_layout(); plt.show()'''),
 def nb03():
     return [
         new_markdown_cell("# 03 — Speedup vs k, acceptance per position\n\n"
-                          "For draft lengths k = 1..4 with the shipped MTP head: measured speedup "
+                          "For draft lengths k = 1..3 with the shipped MTP head: measured speedup "
                           "over plain decoding (same run, compile excluded), mean accepted length "
                           "and acceptance per draft position, next to the i.i.d. model "
                           "E[tokens/step] = (1 - a^(k+1)) / (1 - a) and the verify/decode cost "
@@ -237,9 +237,9 @@ from specjax.train.corpora import chat_prompts
 target = tiny_target() if SMALL else sj.load_model("smollm2-135m")
 tok = sj.load_tokenizer("smollm2-135m")
 head = tiny_head(target) if SMALL else sj.load_draft(os.path.join(ROOT, "checkpoints/smollm2-mtp"), target=target)
-KS = (1, 2) if SMALL else (1, 2, 3, 4)
-MAX_NEW = 12 if SMALL else 64
-prompts = [tok.apply_chat_template(m) for m in chat_prompts("held_out", limit=1 if SMALL else 2)]
+KS = (1, 2) if SMALL else (1, 2, 3)
+MAX_NEW = 12 if SMALL else 48
+prompts = [tok.apply_chat_template(m) for m in chat_prompts("held_out", limit=1)]
 
 def timed(**kw):
     sj.generate(target, prompts, max_new_tokens=MAX_NEW, eos_token_id=[], **kw)   # compile

@@ -44,3 +44,72 @@ def test_bad_arguments_exit_2(tiny_dirs, capsys):
     assert "temperature must be" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["generate", "--method", "magic"])
+
+
+def test_help_for_every_command(capsys):
+    for cmd in ([], ["demo"], ["generate"], ["bench"], ["convert"], ["train-head"], ["train-draft"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(cmd + ["--help"])
+        assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--stream" in out and "re-enters it every" in out  # streaming is explained honestly
+    assert "assistant_model" in out  # convert says what --to hf is for
+
+
+def test_generate_stream_matches_one_run(tiny_dirs, capsys):
+    target, draft = tiny_dirs
+    base = ["generate", "--model", target, "--tokenizer", "smollm2-135m", "--prompt", "Hello there",
+            "--max-new-tokens", "10", "--no-chat", "--method", "draft", "--draft", draft, "-k", "2",
+            "--no-progress"]
+    assert cli.main(base + ["--json"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert cli.main(base + ["--stream", "--stream-chunk", "3", "--json"]) == 0
+    streamed = json.loads(capsys.readouterr().out)
+    assert streamed["tokens"] == whole["tokens"]
+    assert streamed["stats"][0]["streamed_chunks"] == -(-len(whole["tokens"][0]) // 3)
+    assert cli.main(base + ["--stream", "--stream-chunk", "4"]) == 0
+    out = capsys.readouterr().out
+    assert whole["texts"][0].strip() in out
+
+
+def test_convert_round_trips(tiny_dirs, tmp_path, capsys):
+    import numpy as np
+
+    import specjax as sj
+    from specjax.io.checkpoint import save_checkpoint
+    from specjax.io.hf import load_hf_dir
+
+    target, _ = tiny_dirs
+    ck, back = str(tmp_path / "ck"), str(tmp_path / "hf")
+    assert cli.main(["convert", target, ck, "--no-progress", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layers"] == 2
+    assert cli.main(["convert", ck, back, "--to", "hf", "--no-progress"]) == 0
+    ids = [5, 9, 300, 4000, 7]
+    ref = sj.logits(sj.load_model(target), ids)
+    np.testing.assert_allclose(sj.logits(sj.load_model(ck), ids), ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(sj.logits(sj.load_model(back), ids), ref, rtol=1e-6, atol=1e-6)
+    # a draft LLM checkpoint (layers only; shares the target's embedding) -> a complete HF dir
+    tm = sj.load_model(target)
+    dck, dhf = str(tmp_path / "draft"), str(tmp_path / "draft-hf")
+    cfg = tm.config.__class__.from_dict({**tm.config.to_dict(), "num_layers": 1})
+    save_checkpoint(dck, {"layers": tm.params["layers"][:1], "norm": tm.params["norm"]}, cfg,
+                    kind="draft_llm", extra={"shares": ["embed"]})
+    assert cli.main(["convert", dck, dhf, "--to", "hf", "--target", target, "--no-progress"]) == 0
+    dcfg, dparams = load_hf_dir(dhf)
+    assert dcfg.num_layers == 1
+    np.testing.assert_array_equal(dparams["embed"], np.asarray(tm.params["embed"]))
+    assert cli.main(["convert", "/nonexistent", str(tmp_path / "x"), "--no-progress"]) == 2
+
+
+def test_bench_specjax_only_json(tiny_dirs, capsys):
+    target, draft = tiny_dirs
+    rc = cli.main(["bench", "--model", target, "--tokenizer", "smollm2-135m", "--draft", draft,
+                   "--no-hf", "--mtp", "none", "--eagle", "none", "--num-prompts", "1", "--batch", "1",
+                   "--max-new-tokens", "4", "--repeats", "1", "--no-cost-model", "--no-progress",
+                   "--json"])
+    assert rc == 0
+    rep = json.loads(capsys.readouterr().out)
+    rows = rep["results"]["batch1"]
+    assert set(rows) == {"specjax plain", "specjax draft"}
+    assert rows["specjax draft"]["vs_specjax_plain"]["identical_rows"] == 1
+    assert "| 1 | specjax | draft |" in rep["table_md"]

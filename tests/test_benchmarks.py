@@ -1,0 +1,81 @@
+"""benchmarks/gpu_check.py in its --cpu-smoke mode (so the one-call GPU script cannot rot), and
+the planted-acceptance construction it measures speedups with."""
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytest.importorskip("torch")
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[f"_bench_{name}"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    return _load("gpu_check")
+
+
+def test_gpu_check_cpu_smoke(gpu_check, tmp_path):
+    data = gpu_check.main(["--cpu-smoke", "--out", str(tmp_path), "--only",
+                           "env,bandwidth,smoke,synthetic,smollm2"])
+    sec = data["sections"]
+    assert {k: v["status"] for k, v in sec.items()} == {
+        "env": "ok", "bandwidth": "ok", "smoke": "ok", "synthetic": "ok", "smollm2": "ok"}, \
+        {k: v.get("error") for k, v in sec.items()}
+    assert sec["smoke"]["all_ok"], sec["smoke"]["checks"]
+    rows = sec["synthetic"]["rows"]
+    # the planted structure: the target counts (x -> x + 1) in every row, specjax and HF alike
+    assert all(r["target_counts"] > 0.95 for r in rows), rows
+    spec = [r for r in rows if r["method"] == "draft"]
+    assert spec and all(1.0 <= r["mean_accepted_length"] <= 4.0 for r in spec)
+    # SmolLM2 stand-in through specjax.bench with the HF peer: greedy outputs identical per row
+    for res in sec["smollm2"]["results"].values():
+        for name, d in res.items():
+            assert d["vs_hf"]["identical_rows"] == d["vs_hf"]["rows"], name
+    saved = json.load(open(tmp_path / "gpu_check.json"))
+    assert saved["mode"] == "cpu-smoke"
+    assert "| batch |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_planted_acceptance_rate(gpu_check):
+    """The draft proposes correctly exactly on the 'good' token ids (fraction alpha)."""
+    import jax
+    import numpy as np
+
+    import specjax as sj
+
+    target = gpu_check.synthetic_model(gpu_check.TINY_T, jax.random.key(0), np.float32)
+    draft = gpu_check.synthetic_model(gpu_check.TINY_D, jax.random.key(1), np.float32)
+    alpha = 0.6
+    bad_draft = gpu_check.with_acceptance(draft, alpha, jax.random.key(7))
+    seq = list(range(100, 400))
+    t_pred = sj.logits(target, seq).argmax(-1)
+    d_pred = sj.logits(bad_draft, seq).argmax(-1)
+    assert (t_pred == np.array(seq) + 1).mean() > 0.98  # the target counts
+    good = d_pred == t_pred
+    assert abs(good.mean() - alpha) < 0.1
+    assert ((d_pred == np.array(seq) + 2) | good).mean() > 0.98  # wrong drafts propose x + 2
+
+
+def test_kernels_section(gpu_check, tmp_path):
+    with pytest.raises(gpu_check.Skip):
+        gpu_check.sec_kernels(str(tmp_path), True, 30, path=str(tmp_path / "missing.py"))
+    stub = tmp_path / "gpu_kernels.py"
+    stub.write_text("import os\ndef main(out_dir, quick=False):\n"
+                    "    open(os.path.join(out_dir, f'k_{quick}.json'), 'w').write('{}')\n")
+    res = gpu_check.sec_kernels(str(tmp_path), True, 60, path=str(stub))
+    assert res["returncode"] == 0 and res["files"] == ["k_True.json"]
+    stub.write_text("def main(out_dir, quick=False):\n    raise ValueError('boom')\n")
+    with pytest.raises(RuntimeError, match="boom"):
+        gpu_check.sec_kernels(str(tmp_path), True, 60, path=str(stub))
