@@ -429,7 +429,8 @@ _state_jit = jax.jit(_run, static_argnames=_STATIC)
 def place_inputs(plan: ShardingPlan, target_params, draft_params, tokens, prompt_lens, rp, seed,
                  *, target_cfg, draft_cfg):
     """The dynamic arguments of the sharded program, placed per the plan (no-ops for arrays
-    already placed). Returns (target_params, draft_params, tokens, prompt_lens, rp, seed)."""
+    already placed; KV heads repeated as ``sharded_configs`` says). Returns (target_params,
+    draft_params, tokens, prompt_lens, rp, seed) for ``lower_generate`` / the jitted program."""
     if draft_params is not None and plan.draft_placement == "leader" and not _is_head(draft_cfg):
         raise ValueError(
             'draft_placement="leader" keeps the draft on one device, outside the SPMD program; the '
