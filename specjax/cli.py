@@ -63,8 +63,10 @@ def default_draft(target, method: str | None = None, layers: int = 8):
     if target.source == "smollm2-135m":
         for name, kind in SHIPPED:
             path = os.path.join(_repo_checkpoints(), name)
-            if (method in (None, kind)) and is_checkpoint(path):
-                return sj.load_draft(path, target=target), f"checkpoints/{name}", kind
+            tree_ok = method == "eagle-tree" and kind in ("mtp", "eagle")  # any head drafts trees
+            if (method in (None, kind) or tree_ok) and is_checkpoint(path):
+                return (sj.load_draft(path, target=target), f"checkpoints/{name}",
+                        method if tree_ok else kind)
     if method in (None, "draft"):
         return sj.early_exit_draft(target, layers), f"early-exit draft (first {layers} layers)", "draft"
     raise ValueError(f"no shipped {method!r} draft for {target.source!r}: pass --draft PATH")
@@ -91,13 +93,23 @@ def _load(args):
     return target, tok, draft
 
 
+def _tree(args, method):
+    """The TreeConfig of --tree-* for method "eagle-tree" (None otherwise)."""
+    if method != "eagle-tree":
+        return None
+    from specjax.tree import TreeConfig  # noqa: PLC0415
+
+    return TreeConfig(depth=getattr(args, "tree_depth", 5), top_k=getattr(args, "tree_top_k", 4),
+                      num_nodes=getattr(args, "tree_nodes", 16))
+
+
 def _run(target, prompts, draft, args, method, warmup: bool = True, bar=None):
     """One generation; with ``warmup`` a first run compiles so the second is timed cleanly."""
     import specjax as sj  # noqa: PLC0415
 
     kw = dict(max_new_tokens=args.max_new_tokens, draft=draft, method=method,
               num_draft_tokens=args.k, temperature=args.temperature, top_k=args.top_k,
-              top_p=args.top_p, seed=args.seed)
+              top_p=args.top_p, seed=args.seed, tree=_tree(args, method))
     label = "plain" if method == "none" else method
     if warmup:
         if bar is not None:
@@ -130,7 +142,8 @@ def stream_generate(target, tok, prompt_ids, draft, args, method, write, chunk: 
         n = min(chunk, args.max_new_tokens - len(done))
         out = sj.generate(target, [list(prompt_ids) + done], max_new_tokens=n, draft=draft,
                           method=method, num_draft_tokens=args.k, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed + len(parts))
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed + len(parts),
+                          tree=_tree(args, method))
         new = out.tokens[0]
         parts.append(out.stats)
         done += new
@@ -412,8 +425,15 @@ def build_parser() -> argparse.ArgumentParser:
     _common(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--file", help="a file with one prompt per line")
-    gen.add_argument("--method", choices=["none", "draft", "mtp", "eagle"], default=None,
-                     help="none = plain decoding; default: the best shipped draft's method")
+    gen.add_argument("--method", choices=["none", "draft", "mtp", "eagle", "eagle-tree"],
+                     default=None,
+                     help="none = plain decoding; eagle-tree = a head drafting an EAGLE-2 "
+                          "dynamic tree (--tree-*); default: the best shipped draft's method")
+    gen.add_argument("--tree-depth", type=int, default=5, help="eagle-tree: draft levels")
+    gen.add_argument("--tree-top-k", type=int, default=4,
+                     help="eagle-tree: children per expanded node and nodes expanded per level")
+    gen.add_argument("--tree-nodes", type=int, default=16,
+                     help="eagle-tree: nodes kept (the target verifies nodes + 1 tokens)")
     gen.add_argument("--no-chat", dest="chat", action="store_false",
                      help="raw text, no chat template")
     gen.add_argument("--stream", action="store_true",

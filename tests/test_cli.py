@@ -113,3 +113,24 @@ def test_bench_specjax_only_json(tiny_dirs, capsys):
     assert set(rows) == {"specjax plain", "specjax draft"}
     assert rows["specjax draft"]["vs_specjax_plain"]["identical_rows"] == 1
     assert "| 1 | specjax | draft |" in rep["table_md"]
+
+
+def test_generate_eagle_tree_with_a_head_checkpoint(tiny_dirs, tmp_path, capsys):
+    """--method eagle-tree drafts a tree with a head checkpoint; greedy output equals plain."""
+    import specjax as sj
+    from specjax.heads import Head, HeadConfig, init_head
+    from specjax.io.heads_io import save_head
+
+    target, _ = tiny_dirs
+    tcfg = sj.load_model(target).config
+    hcfg = HeadConfig.for_target(tcfg, "mtp")
+    save_head(Head(init_head(hcfg, jax.random.key(0), scale=0.5), hcfg), str(tmp_path / "head"))
+    base = ["generate", "--model", target, "--tokenizer", "smollm2-135m", "--prompt", "Hello there",
+            "--max-new-tokens", "6", "--json"]
+    assert cli.main(base + ["--method", "none"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert cli.main(base + ["--method", "eagle-tree", "--draft", str(tmp_path / "head"),
+                            "--tree-depth", "3", "--tree-top-k", "2", "--tree-nodes", "5"]) == 0
+    tree = json.loads(capsys.readouterr().out)
+    assert tree["tokens"] == plain["tokens"]
+    assert tree["stats"]["method"] == "eagle-tree" and tree["stats"]["num_draft_tokens"] == 3
