@@ -41,7 +41,8 @@ import time
 
 import numpy as np
 
-CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+from specjax.bench import _busy_s as busy_s
+from specjax.bench import usable_cpus
 
 
 def _versions() -> dict:
@@ -72,49 +73,25 @@ def _machine() -> dict:
     except OSError:
         pass
     return {"cpu_count": os.cpu_count(), "cpu_model": cpu_model, "platform": platform.platform(),
-            "machine": platform.machine(), "usable_cpus": _usable_cpus(),
+            "machine": platform.machine(), "usable_cpus": usable_cpus(),
             "loadavg_at_start": _loadavg()}
-
-
-def _usable_cpus() -> list[int]:
-    """The CPUs this process may run on (its affinity mask, e.g. under taskset)."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return list(range(os.cpu_count() or 1))
-
-
-def _busy_s():
-    """Busy CPU seconds (user+nice+system+irq+softirq+steal) summed over the usable CPUs."""
-    want = {f"cpu{c}" for c in _usable_cpus()}
-    total = 0
-    try:
-        with open("/proc/stat") as f:
-            for line in f:
-                parts = line.split()
-                if parts and parts[0] in want:
-                    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, parts[1:9])
-                    total += user + nice + system + irq + softirq + steal
-    except (OSError, ValueError):
-        return None
-    return total / CLK_TCK
 
 
 class Timer:
     """Wall time of a block plus the fraction of machine CPU other processes used meanwhile."""
 
     def __enter__(self):
-        self.b0, self.c0, self.t0 = _busy_s(), time.process_time(), time.perf_counter()
+        self.b0, self.c0, self.t0 = busy_s(), time.process_time(), time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         self.wall = time.perf_counter() - self.t0
         own = time.process_time() - self.c0
-        b1 = _busy_s()
+        b1 = busy_s()
         if self.b0 is None or b1 is None or self.wall <= 0:
             self.foreign = None
         else:
-            self.foreign = max(0.0, (b1 - self.b0) - own) / (self.wall * len(_usable_cpus()))
+            self.foreign = max(0.0, (b1 - self.b0) - own) / (self.wall * len(usable_cpus()))
         return False
 
 
@@ -147,7 +124,7 @@ def main(argv=None) -> dict:
                     help="prompts run one at a time for batch 1 (the first --batch of them "
                          "also form the batched run)")
     ap.add_argument("--batch", type=int, default=8, help="the larger batch size")
-    ap.add_argument("--torch-threads", type=int, default=len(_usable_cpus()),
+    ap.add_argument("--torch-threads", type=int, default=len(usable_cpus()),
                     help="torch.set_num_threads (default: the cores this process may use, "
                          "i.e. os.cpu_count() unless pinned with taskset)")
     ap.add_argument("--wait-idle", type=float, default=0.0,

@@ -30,26 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax as sj
+from specjax.bench import time_forward
 from specjax import kv_cache
 from specjax.model import forward
 from specjax.train.corpora import chat_prompts
-
-
-def time_forward(model, t: int, context: int, repeats: int = 15) -> float:
-    """Median seconds of one jitted forward over t new tokens after `context` cached tokens (B=1)."""
-    cfg = model.config
-    kv, pt = kv_cache.init_contiguous(cfg, 1, context + t + 16, dtype=model.dtype)
-    toks = jnp.ones((1, t), jnp.int32)
-    pos = context + jnp.arange(t, dtype=jnp.int32)[None]
-    start = jnp.asarray([context], jnp.int32)
-    fn = jax.jit(lambda p, kv: forward(p, cfg, toks, pos, kv, pt, start)[0])
-    jax.block_until_ready(fn(model.params, kv))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(model.params, kv))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def alpha_mle(per_pos: list[float]) -> float:
