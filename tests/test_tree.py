@@ -10,17 +10,16 @@ import pytest
 
 import specjax as sj
 from specjax import heads, kv_cache, speculate, tree
-from specjax.heads import Head, HeadConfig, init_head
 from specjax.model import forward
 from specjax.sampling import categorical
 from specjax.tree import TreeConfig
 from tests.conftest import tiny_model
+from tests.test_heads import _head as _random_head
 from tests.test_speculative import ALPHA, N_ROWS, PROMPT, PROMPTS, V, _chi2_pvalue, _exact_joint
 
 
 def _head(target, kind="eagle", seed=3, scale=0.3):
-    cfg = HeadConfig.for_target(target.config, kind)
-    return Head(init_head(cfg, jax.random.key(seed), scale=scale), cfg)
+    return _random_head(target, kind, seed=seed, scale=scale)
 
 
 def _random_parents(rng, n):
