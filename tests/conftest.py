@@ -46,3 +46,15 @@ def count_host_reads(monkeypatch, fn):
     finally:
         monkeypatch.setattr(array.ArrayImpl, "_value", orig)
     return count[0], out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops every compiled program after each test module. Each XLA:CPU executable keeps its
+    own memory mappings; a whole suite run in one process otherwise accumulates tens of
+    thousands of them and hits vm.max_map_count (65530), which crashes LLVM's JIT (SIGSEGV)."""
+    yield
+    jax.clear_caches()
+    import gc  # noqa: PLC0415
+
+    gc.collect()
