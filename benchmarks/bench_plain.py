@@ -41,8 +41,7 @@ import time
 
 import numpy as np
 
-from specjax.bench import _busy_s as busy_s
-from specjax.bench import usable_cpus
+from specjax.bench import Timer, usable_cpus, wait_idle
 
 
 def _versions() -> dict:
@@ -75,41 +74,6 @@ def _machine() -> dict:
     return {"cpu_count": os.cpu_count(), "cpu_model": cpu_model, "platform": platform.platform(),
             "machine": platform.machine(), "usable_cpus": usable_cpus(),
             "loadavg_at_start": _loadavg()}
-
-
-class Timer:
-    """Wall time of a block plus the fraction of machine CPU other processes used meanwhile."""
-
-    def __enter__(self):
-        self.b0, self.c0, self.t0 = busy_s(), time.process_time(), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.wall = time.perf_counter() - self.t0
-        own = time.process_time() - self.c0
-        b1 = busy_s()
-        if self.b0 is None or b1 is None or self.wall <= 0:
-            self.foreign = None
-        else:
-            self.foreign = max(0.0, (b1 - self.b0) - own) / (self.wall * len(usable_cpus()))
-        return False
-
-
-def wait_idle(timeout_s: float, threshold: float = 0.05, quiet_s: float = 3.0) -> float:
-    """Waits until other processes use < threshold of the machine for quiet_s seconds.
-
-    Returns the seconds waited (timeout_s if the machine never became quiet)."""
-    if timeout_s <= 0:
-        return 0.0
-    start = time.perf_counter()
-    quiet = 0.0
-    while time.perf_counter() - start < timeout_s:
-        with Timer() as t:
-            time.sleep(1.0)
-        quiet = quiet + t.wall if (t.foreign is not None and t.foreign < threshold) else 0.0
-        if quiet >= quiet_s:
-            break
-    return time.perf_counter() - start
 
 
 def _median(xs):
