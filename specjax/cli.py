@@ -334,6 +334,9 @@ def _train_common(p):
     p.add_argument("--rollout", type=int, default=1,
                    help="heads: training passes fed the head's own previous output (EAGLE-3-style "
                         "training-time test; 1 = teacher-forced only)")
+    p.add_argument("--loss-on", choices=("answer", "all"), default="answer",
+                   help="positions trained and scored: answer tokens only (default) or every "
+                        "position including the chat template / system prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-prompts", type=int, default=8)
 
@@ -347,7 +350,8 @@ def _prepare_training(args):
     pipeline.prepare(target, tok, args.work, args.num_prompts, args.num_wiki, args.held_out_prompts,
                      args.answer_tokens, args.seq_len)
     tc = trainer.TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                             lr=args.lr, seed=args.seed, rollout=args.rollout)
+                             lr=args.lr, seed=args.seed, rollout=args.rollout,
+                             answer_only=args.loss_on == "answer")
     return target, tok, tc, pipeline
 
 

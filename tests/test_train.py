@@ -44,8 +44,8 @@ def test_head_training_learns_and_drafts(setup, kind, norms):
     hcfg = HeadConfig.for_target(target.config, kind, norms=norms)
     tc = trainer.TrainConfig(steps=60, batch_size=16, seq_len=32, lr=3e-3, warmup=5, log_every=5)
 
-    def loss_fn(p, tp, tokens, lengths, hidden):
-        return trainer.head_loss(p, hcfg, tp, target.config, tokens, lengths, hidden, tc)
+    def loss_fn(p, tp, tokens, lengths, hidden, plens):
+        return trainer.head_loss(p, hcfg, tp, target.config, tokens, lengths, hidden, tc, plens)
 
     params = init_head(hcfg, jax.random.key(0))
     before = trainer.evaluate(loss_fn, params, target.params, data, 16, 32)
@@ -73,8 +73,8 @@ def test_resume_continues_from_checkpoint(setup):
     hcfg = HeadConfig.for_target(target.config, "mtp")
     tc = trainer.TrainConfig(steps=10, batch_size=8, seq_len=32, save_every=5, log_every=1)
 
-    def loss_fn(p, tp, tokens, lengths, hidden):
-        return trainer.head_loss(p, hcfg, tp, target.config, tokens, lengths, hidden, tc)
+    def loss_fn(p, tp, tokens, lengths, hidden, plens):
+        return trainer.head_loss(p, hcfg, tp, target.config, tokens, lengths, hidden, tc, plens)
 
     run = str(work / "run-resume")
     full = trainer.fit(loss_fn, init_head(hcfg, jax.random.key(0)), target.params, data, tc,
@@ -95,8 +95,8 @@ def test_draft_llm_distillation(setup):
     cfg = dataclasses.replace(target.config, num_layers=1)
     trainable = {"layers": [dict(target.params["layers"][0])], "norm": target.params["norm"]}
 
-    def loss_fn(p, tp, tokens, lengths, hidden):
-        return trainer.draft_loss(p, tp, target.config, cfg, tokens, lengths, hidden, tc)
+    def loss_fn(p, tp, tokens, lengths, hidden, plens):
+        return trainer.draft_loss(p, tp, target.config, cfg, tokens, lengths, hidden, tc, plens)
 
     before = trainer.evaluate(loss_fn, trainable, target.params, data, 16, 32)
     trainable = trainer.fit(loss_fn, trainable, target.params, data, tc, str(work / "run-d"))
@@ -119,8 +119,8 @@ def _fit_head(setup, rollout, steps=60):
     tc = trainer.TrainConfig(steps=steps, batch_size=16, seq_len=32, lr=3e-3, warmup=5,
                              log_every=5, rollout=rollout)
 
-    def loss_fn(p, tp, tokens, lengths, hidden):
-        return trainer.head_loss(p, hcfg, tp, target.config, tokens, lengths, hidden, tc)
+    def loss_fn(p, tp, tokens, lengths, hidden, plens):
+        return trainer.head_loss(p, hcfg, tp, target.config, tokens, lengths, hidden, tc, plens)
 
     params = trainer.fit(loss_fn, init_head(hcfg, jax.random.key(0)), target.params, data, tc,
                          str(work / f"run-rollout{rollout}-{steps}"))
@@ -131,8 +131,8 @@ def _eval_rollout(setup, params, hcfg, rollout):
     target, data, _ = setup
     tc = trainer.TrainConfig(batch_size=16, seq_len=32, rollout=rollout)
     return trainer.evaluate(
-        lambda p, tp, tokens, lengths, hidden: trainer.head_loss(
-            p, hcfg, tp, target.config, tokens, lengths, hidden, tc),
+        lambda p, tp, tokens, lengths, hidden, plens: trainer.head_loss(
+            p, hcfg, tp, target.config, tokens, lengths, hidden, tc, plens),
         params, target.params, data, 16, 32)
 
 
@@ -167,3 +167,39 @@ def test_rollout_training_improves_fed_back_drafts(setup):
     r1 = _eval_rollout(setup, p1, hcfg, 2)
     r2 = _eval_rollout(setup, p2, hcfg, 2)
     assert r2["top1_r2"] > r1["top1_r2"]
+
+
+def test_answer_only_mask_scores_answer_tokens():
+    """Head position j predicts x_{j+2} from the target's distribution at j+1: it counts iff
+    j+1 < length and, answer-only, j+2 >= prompt_len; prompt_len 0 means every position."""
+    import jax.numpy as jnp
+    tc = trainer.TrainConfig()
+    m = trainer._loss_mask(6, 2, jnp.array([5, 7]), jnp.array([3, 0]), tc)
+    np.testing.assert_array_equal(np.asarray(m), [[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    every = trainer._loss_mask(6, 2, jnp.array([5, 7]), jnp.array([3, 0]),
+                               trainer.TrainConfig(answer_only=False))
+    np.testing.assert_array_equal(np.asarray(every), [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    # draft LLMs: position t predicts x_{t+1}
+    d = trainer._loss_mask(4, 1, jnp.array([4]), jnp.array([2]), tc)
+    np.testing.assert_array_equal(np.asarray(d), [[0, 1, 1, 1]])
+
+
+def test_answer_only_loss_ignores_prompt_positions(setup):
+    """prompt_lens = 0 (or none) scores every position; real prompt lengths change the loss; a
+    boundary past every sequence leaves nothing to score (metrics 0, no NaN)."""
+    target, data, _ = setup
+    hcfg = HeadConfig.for_target(target.config, "mtp")
+    params = init_head(hcfg, jax.random.key(2))
+    jnp = jax.numpy
+    tokens, hidden = jnp.asarray(data["tokens"][:16, :32]), jnp.asarray(data["hidden"][:16, :32])
+    lengths, plens = jnp.asarray(data["lengths"][:16]), jnp.asarray(data["prompt_lens"][:16])
+    tc = trainer.TrainConfig()
+
+    def metrics(pl):
+        return trainer.head_loss(params, hcfg, target.params, target.config, tokens, lengths,
+                                 hidden, tc, pl)[1]
+
+    none, zero, ans, empty = metrics(None), metrics(jnp.zeros_like(plens)), metrics(plens), metrics(lengths + 2)
+    assert float(zero["cls"]) == pytest.approx(float(none["cls"]))
+    assert float(ans["cls"]) != pytest.approx(float(none["cls"]), rel=1e-4)
+    assert float(empty["cls"]) == 0.0 and float(empty["top1"]) == 0.0

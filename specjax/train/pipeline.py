@@ -32,11 +32,25 @@ def prepare(target, tok, work: str, num_prompts: int, num_wiki: int, held_out_pr
         data_lib.collect_hidden(target, cdir, os.path.join(work, f"hidden-{split}"), seq_len=seq_len)
 
 
-def load_split(work: str, split: str):
-    paths = sorted(glob.glob(os.path.join(work, f"hidden-{split}", "*.npz")))
+def load_split(work: str, split: str, pattern: str = "*.npz"):
+    paths = sorted(glob.glob(os.path.join(work, f"hidden-{split}", pattern)))
     if not paths:
         raise FileNotFoundError(f"no hidden-state shards in {work}/hidden-{split}: run the data stage")
     return data_lib.load_hidden(paths)
+
+
+def held_out_eval(loss_fn, trainable, frozen, work: str, tc: trainer.TrainConfig):
+    """Teacher-forced held-out metrics (answer tokens only with ``tc.answer_only``): over all
+    held-out sequences, and separately over the self-distilled chat answers (what acceptance is
+    measured on) and the wiki extracts."""
+    out = {}
+    for name, pattern in (("all", "*.npz"), ("chat", "corpus-0*.npz"), ("wiki", "corpus-wiki.npz")):
+        try:
+            data = load_split(work, "held_out", pattern)
+        except FileNotFoundError:
+            continue
+        out[name] = trainer.evaluate(loss_fn, trainable, frozen, data, tc.batch_size, tc.seq_len)
+    return out
 
 
 def acceptance_eval(target, tok, draft, method: str, ks=(1, 3), num_prompts: int = 8,
@@ -83,19 +97,20 @@ def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: tra
     train = load_split(work, "train")
     name = f"{kind}-{'norms' if norms else 'nonorms'}"
 
-    def loss_fn(p, tp, tokens, lengths, hidden):
-        return trainer.head_loss(p, hcfg, tp, target.config, tokens, lengths, hidden, tc)
+    def loss_fn(p, tp, tokens, lengths, hidden, plens):
+        return trainer.head_loss(p, hcfg, tp, target.config, tokens, lengths, hidden, tc, plens)
 
     t0 = time.perf_counter()
     params = trainer.fit(loss_fn, params, target.params, train, tc, os.path.join(work, f"run-{name}"),
                          describe=name)
     train_time = time.perf_counter() - t0
-    held = load_split(work, "held_out")
-    metrics = trainer.evaluate(loss_fn, params, target.params, held, tc.batch_size, tc.seq_len)
+    metrics = held_out_eval(loss_fn, params, target.params, work, tc)
     head = Head(params=params, config=hcfg)
     accept = acceptance_eval(target, tok, head, kind, num_prompts=eval_prompts)
     report = {"name": name, "kind": kind, "norms": norms, "train_config": dataclasses.asdict(tc),
-              "train_tokens": int(train["lengths"].sum()), "train_time_s": train_time,
+              "train_tokens": int(train["lengths"].sum()),
+              "train_answer_tokens": int((train["lengths"] - train["prompt_lens"]).sum()),
+              "train_time_s": train_time,
               "held_out": metrics, "acceptance": accept}
     save_head(head, out)
     with open(os.path.join(out, "report.json"), "w") as f:
@@ -117,15 +132,14 @@ def train_draft(target, tok, work: str, out: str, num_layers: int, tc: trainer.T
     frozen = {k: v for k, v in target.params.items() if k not in ("layers", "norm")}
     train = load_split(work, "train")
 
-    def loss_fn(p, tp, tokens, lengths, hidden):
-        return trainer.draft_loss(p, tp, target.config, cfg, tokens, lengths, hidden, tc)
+    def loss_fn(p, tp, tokens, lengths, hidden, plens):
+        return trainer.draft_loss(p, tp, target.config, cfg, tokens, lengths, hidden, tc, plens)
 
     t0 = time.perf_counter()
     trainable = trainer.fit(loss_fn, trainable, target.params, train, tc,
                             os.path.join(work, f"run-draft{num_layers}"), describe=f"draft{num_layers}")
     train_time = time.perf_counter() - t0
-    metrics = trainer.evaluate(loss_fn, trainable, target.params, load_split(work, "held_out"),
-                               tc.batch_size, tc.seq_len)
+    metrics = held_out_eval(loss_fn, trainable, target.params, work, tc)
     params = dict(frozen, **trainable)
     draft = Model(params=params, config=cfg, source=out)
     accept = acceptance_eval(target, tok, draft, "draft", num_prompts=eval_prompts)
@@ -133,6 +147,7 @@ def train_draft(target, tok, work: str, out: str, num_layers: int, tc: trainer.T
     save_checkpoint(out, jax.tree.map(lambda a: np.asarray(a, np.float16), trainable), cfg,
                     kind="draft_llm", extra={"init_layers": picks, "shares": sorted(frozen)})
     report = {"name": f"draft{num_layers}", "init_layers": picks, "train_tokens": int(train["lengths"].sum()),
+              "train_answer_tokens": int((train["lengths"] - train["prompt_lens"]).sum()),
               "train_time_s": train_time, "held_out": metrics, "acceptance": accept}
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=2, default=float)

@@ -39,6 +39,7 @@ class TrainConfig:
     cls_weight: float = 0.1  # soft CE on next-token distribution (heads)
     grad_clip: float = 0.5
     rollout: int = 1  # heads: passes fed their own previous output (1 = teacher-forced only)
+    answer_only: bool = True  # loss/metrics only where the predicted token is past the prompt
     seed: int = 0
     save_every: int = 50
     log_every: int = 10
@@ -59,10 +60,23 @@ def _smooth_l1(x, y):
     return jnp.mean(jnp.where(d < 1.0, 0.5 * d * d, d - 0.5), axis=-1)
 
 
+def _loss_mask(t, offset, lengths, prompt_lens, tc: TrainConfig):
+    """[B, t] float mask of the positions j that predict token index j + offset from a teacher
+    (the target's distribution at index j + offset - 1) inside the sequence, and, with
+    ``tc.answer_only`` and prompt_lens given, whose predicted token is part of the answer
+    (index >= prompt_len): the chat template and system prompt repeat across samples and would
+    inflate top-1 while teaching the draft nothing it meets when drafting answers."""
+    idx = jnp.arange(t)[None, :] + offset
+    mask = idx - 1 < lengths[:, None]
+    if tc.answer_only and prompt_lens is not None:
+        mask &= idx >= prompt_lens[:, None]
+    return mask.astype(jnp.float32)
+
+
 def head_loss(head_params, head_cfg: heads.HeadConfig, tp, tcfg, tokens, lengths, hidden,
-              tc: TrainConfig):
+              tc: TrainConfig, prompt_lens=None):
     """Head loss on one batch. tp/tcfg: the target's params and config; tokens [B, T],
-    lengths [B], hidden [B, T, E].
+    lengths [B], hidden [B, T, E], prompt_lens [B] (optional; see ``_loss_mask``).
 
     Pass 1 is teacher-forced: head position j sees (x_{j+1}, f_j). With ``tc.rollout`` = R > 1,
     pass r feeds position j the head's own pass-(r-1) output at j-1 in place of f_j, the input it
@@ -77,7 +91,7 @@ def head_loss(head_params, head_cfg: heads.HeadConfig, tp, tcfg, tokens, lengths
     h_next = hidden[:, 1:]  # h_{j+1}
     teacher = jax.lax.stop_gradient(lm_head(tp, tcfg, h_next))  # predicts x_{j+2}
     kv, pt, pos = _paged(b, t - 1, head_cfg.layer)
-    mask = (jnp.arange(t - 1)[None, :] < (lengths - 1)[:, None]).astype(jnp.float32)  # j+1 < len
+    mask = _loss_mask(t - 1, 2, lengths, prompt_lens, tc)  # head position j predicts x_{j+2}
     denom = jnp.maximum(mask.sum(), 1.0)
     if head_cfg.norms:
         reg_target = rms_norm(h_next, jnp.ones(h_next.shape[-1]), 1e-6)
@@ -102,9 +116,11 @@ def head_loss(head_params, head_cfg: heads.HeadConfig, tp, tcfg, tokens, lengths
     return total / max(tc.rollout, 1), metrics
 
 
-def draft_loss(trainable, tp, tcfg, cfg, tokens, lengths, hidden, tc: TrainConfig):
-    """KL(target || draft) of next-token distributions at every valid position. The draft uses
-    the target's embedding and lm_head (from tp) with its own layers and final norm."""
+def draft_loss(trainable, tp, tcfg, cfg, tokens, lengths, hidden, tc: TrainConfig,
+               prompt_lens=None):
+    """KL(target || draft) of next-token distributions at every valid position (answer positions
+    only with ``tc.answer_only``). The draft uses the target's embedding and lm_head (from tp)
+    with its own layers and final norm."""
     params = dict({k: v for k, v in tp.items() if k not in ("layers", "norm")}, **trainable)
     b, t = tokens.shape
     kv, pt, pos = _paged(b, t, cfg)
@@ -112,7 +128,7 @@ def draft_loss(trainable, tp, tcfg, cfg, tokens, lengths, hidden, tc: TrainConfi
     teacher = jax.lax.stop_gradient(lm_head(tp, tcfg, hidden.astype(jnp.float32)))
     p_log = jax.nn.log_softmax(teacher, -1)
     kl = jnp.sum(jnp.exp(p_log) * (p_log - jax.nn.log_softmax(logits, -1)), -1)
-    mask = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.float32)
+    mask = _loss_mask(t, 1, lengths, prompt_lens, tc)  # position t predicts x_{t+1}
     denom = jnp.maximum(mask.sum(), 1.0)
     kl = (kl * mask).sum() / denom
     top1 = ((jnp.argmax(logits, -1) == jnp.argmax(teacher, -1)) * mask).sum() / denom
@@ -145,13 +161,20 @@ def _batches(data, tc: TrainConfig, start_step: int):
     for step in range(start_step, tc.steps):
         idx = order[step * tc.batch_size:(step + 1) * tc.batch_size]
         yield step, (data["tokens"][idx, :tc.seq_len], data["lengths"][idx].clip(1, tc.seq_len),
-                     data["hidden"][idx, :tc.seq_len])
+                     data["hidden"][idx, :tc.seq_len], _prompt_lens(data)[idx])
+
+
+def _prompt_lens(data):
+    """[N] prompt lengths (0 = every position is answer when a dataset has none)."""
+    if "prompt_lens" in data:
+        return np.asarray(data["prompt_lens"], np.int32)
+    return np.zeros((len(data["tokens"]),), np.int32)
 
 
 def fit(loss_fn, trainable, frozen, data, tc: TrainConfig, run_dir: str, describe: str = ""):
     """Generic resumable optax loop.
 
-    loss_fn(trainable, frozen, tokens, lengths, hidden) -> (loss, metrics). ``frozen`` (the
+    loss_fn(trainable, frozen, tokens, lengths, hidden, prompt_lens) -> (loss, metrics). ``frozen`` (the
     target's params) is a jit argument, never a closure constant (XLA would fold 100+ MB of it).
     """
     os.makedirs(run_dir, exist_ok=True)
@@ -164,18 +187,18 @@ def fit(loss_fn, trainable, frozen, data, tc: TrainConfig, run_dir: str, describ
         print(f"resuming {run_dir} at step {start}", flush=True)
 
     @jax.jit
-    def update(trainable, opt_state, frozen, tokens, lengths, hidden):
+    def update(trainable, opt_state, frozen, tokens, lengths, hidden, prompt_lens):
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            trainable, frozen, tokens, lengths, hidden)
+            trainable, frozen, tokens, lengths, hidden, prompt_lens)
         updates, opt_state = opt.update(grads, opt_state, trainable)
         return optax.apply_updates(trainable, updates), opt_state, dict(metrics, loss=loss)
 
     t0 = time.perf_counter()
     log = open(os.path.join(run_dir, "log.jsonl"), "a")
     step = start
-    for step, (tokens, lengths, hidden) in _batches(data, tc, start):
+    for step, (tokens, lengths, hidden, plens) in _batches(data, tc, start):
         trainable, opt_state, m = update(trainable, opt_state, frozen, jnp.asarray(tokens),
-                                         jnp.asarray(lengths), jnp.asarray(hidden))
+                                         jnp.asarray(lengths), jnp.asarray(hidden), jnp.asarray(plens))
         if (step + 1) % tc.log_every == 0 or step == start:
             m = {k: float(v) for k, v in m.items()}
             el = time.perf_counter() - t0
@@ -201,7 +224,8 @@ def evaluate(loss_fn, trainable, frozen, data, batch_size=8, seq_len=256, max_ba
             break
         sl = slice(b0, b0 + batch_size)
         _, m = fn(trainable, frozen, jnp.asarray(data["tokens"][sl, :seq_len]),
-                  jnp.asarray(data["lengths"][sl].clip(1, seq_len)), jnp.asarray(data["hidden"][sl, :seq_len]))
+                  jnp.asarray(data["lengths"][sl].clip(1, seq_len)), jnp.asarray(data["hidden"][sl, :seq_len]),
+                  jnp.asarray(_prompt_lens(data)[sl]))
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + float(v)
         count += 1
