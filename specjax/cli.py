@@ -339,6 +339,8 @@ def _train_common(p):
                         "position including the chat template / system prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-prompts", type=int, default=8)
+    p.add_argument("--run-name", default=None,
+                   help="run directory under --work (resumed when it exists; default from the kind)")
 
 
 def _prepare_training(args):
@@ -358,14 +360,15 @@ def _prepare_training(args):
 def cmd_train_head(args) -> int:
     target, tok, tc, pipeline = _prepare_training(args)
     pipeline.train_head(target, tok, args.work, args.out, args.kind, args.norms == "on", tc,
-                        eval_prompts=args.eval_prompts)
+                        eval_prompts=args.eval_prompts, draft_vocab=args.draft_vocab,
+                        run_name=args.run_name)
     return 0
 
 
 def cmd_train_draft(args) -> int:
     target, tok, tc, pipeline = _prepare_training(args)
     pipeline.train_draft(target, tok, args.work, args.out, args.layers, tc,
-                         eval_prompts=args.eval_prompts)
+                         eval_prompts=args.eval_prompts, run_name=args.run_name)
     return 0
 
 
@@ -477,6 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
                                               "(resumable: rerun the same command)")
     _train_common(th)
     th.add_argument("--kind", choices=["mtp", "eagle"], default="mtp")
+    th.add_argument("--draft-vocab", type=int, default=0,
+                    help="score only this many of the training answers' most frequent tokens "
+                         "(EAGLE-3's reduced draft vocabulary; 0 = the full vocabulary)")
     th.add_argument("--norms", choices=["on", "off"], default="on",
                     help="restored RMSNorms (enorm/hnorm/block/final) on or off (EAGLE-1 style)")
     td = sub.add_parser("train-draft", help="distill a small draft LLM sharing the target's "

@@ -39,21 +39,28 @@ class HeadConfig:
     layer: ModelConfig  # the head's decoder block (num_layers = 1), dims of the target
     norms: bool = True  # enorm/hnorm/block input norm/final norm (MTP) vs none (EAGLE-1)
     fc_bias: bool = False  # EAGLE-1's fc has a bias
+    # > 0: the head scores only this many tokens (params["draft_vocab"], EAGLE-3's reduced draft
+    # vocabulary); every other token gets probability 0 as a draft. 0: the full vocabulary.
+    draft_vocab_size: int = 0
 
     def __post_init__(self):
         if self.kind not in ("mtp", "eagle"):
             raise ValueError(f"HeadConfig.kind must be 'mtp' or 'eagle', got {self.kind!r}")
         if self.layer.num_layers != 1:
             raise ValueError("a draft head has exactly one decoder layer")
+        v = self.layer.vocab_size
+        if not isinstance(self.draft_vocab_size, int) or not 0 <= self.draft_vocab_size <= v:
+            raise ValueError(f"HeadConfig.draft_vocab_size must be an int in [0, {v}] "
+                             f"(0 = full vocabulary), got {self.draft_vocab_size!r}")
 
     def to_dict(self):
         return {"kind": self.kind, "layer": self.layer.to_dict(), "norms": self.norms,
-                "fc_bias": self.fc_bias}
+                "fc_bias": self.fc_bias, "draft_vocab_size": self.draft_vocab_size}
 
     @classmethod
     def from_dict(cls, d):
         return cls(kind=d["kind"], layer=ModelConfig.from_dict(d["layer"]), norms=d["norms"],
-                   fc_bias=d.get("fc_bias", False))
+                   fc_bias=d.get("fc_bias", False), draft_vocab_size=d.get("draft_vocab_size", 0))
 
     @classmethod
     def for_target(cls, target_cfg: ModelConfig, kind: str = "mtp", norms: bool | None = None):
@@ -68,7 +75,8 @@ class HeadConfig:
 @dataclasses.dataclass(frozen=True)
 class Head:
     """Head params (pytree) + config. ``params``: enorm [E], hnorm [E], eh_proj [2E, E],
-    (eh_bias [E]), layer (one decoder-layer dict), final_norm [E]."""
+    (eh_bias [E]), layer (one decoder-layer dict), final_norm [E], (draft_vocab [Vd] int32: the
+    token ids the head scores, unique)."""
 
     params: dict
     config: HeadConfig = dataclasses.field(metadata=dict(static=True))
@@ -87,7 +95,24 @@ def init_head(cfg: HeadConfig, key, dtype=jnp.float32, scale: float = 0.02) -> d
         del params["layer"]["attn_norm"]
     if cfg.fc_bias:
         params["eh_bias"] = jnp.zeros((e,), dtype)
+    if cfg.draft_vocab_size:
+        params["draft_vocab"] = jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32)
     return params
+
+
+def set_draft_vocab(head: "Head", vocab) -> "Head":
+    """A copy of ``head`` scoring only the token ids ``vocab`` (1-D, unique, in [0, V))."""
+    import numpy as np  # noqa: PLC0415
+
+    v = np.asarray(vocab)
+    size = head.config.layer.vocab_size
+    if v.ndim != 1 or v.size == 0 or not np.issubdtype(v.dtype, np.integer):
+        raise ValueError(f"set_draft_vocab: vocab must be a non-empty 1-D integer array, got "
+                         f"shape {v.shape} dtype {v.dtype}")
+    if v.min() < 0 or v.max() >= size or len(np.unique(v)) != v.size:
+        raise ValueError(f"set_draft_vocab: vocab must hold unique token ids in [0, {size})")
+    cfg = dataclasses.replace(head.config, draft_vocab_size=int(v.size))
+    return Head(params=dict(head.params, draft_vocab=jnp.asarray(v, jnp.int32)), config=cfg)
 
 
 def head_features(target_params, target_cfg: ModelConfig, hidden, cfg: HeadConfig):
@@ -135,12 +160,47 @@ def head_forward(head_params, cfg: HeadConfig, target_params, target_cfg: ModelC
     return h, kv_cache.KVCache(k=(k0,), v=(v0,))
 
 
-def head_logits(head_params, cfg: HeadConfig, target_params, target_cfg: ModelConfig, hidden):
-    """The shared, frozen lm_head over the head's output: [..., E] -> float32 [..., V]."""
-    if "lm_head" in head_params:  # a head with its own output matrix (loaded MTP layers)
-        x = rms_norm(hidden, head_params["final_norm"], cfg.layer.rms_norm_eps) if cfg.norms else hidden
-        return (x @ head_params["lm_head"]).astype(jnp.float32)
+def _columns(w, vocab):
+    return w if vocab is None else jnp.take(w, vocab, axis=1)
+
+
+def _output_matrix(target_params, target_cfg: ModelConfig, vocab=None):
+    """The target's output projection [E, V] (or its [E, Vd] columns ``vocab``)."""
+    if target_cfg.tie_word_embeddings:
+        emb = target_params["embed"]
+        return (emb if vocab is None else jnp.take(emb, vocab, axis=0)).T
+    return _columns(target_params["lm_head"], vocab)
+
+
+def target_logits(target_params, target_cfg: ModelConfig, hidden, vocab=None):
+    """The target's logits (final norm + output projection) over all tokens or only ``vocab``:
+    [..., E] pre-norm -> float32 [..., V] or [..., Vd]."""
+    x = rms_norm(hidden, target_params["norm"], target_cfg.rms_norm_eps)
+    return (x @ _output_matrix(target_params, target_cfg, vocab)).astype(jnp.float32)
+
+
+NEG_LOGIT = -1e9  # logit of tokens outside a reduced draft vocabulary (exp -> exactly 0)
+
+
+def head_logits(head_params, cfg: HeadConfig, target_params, target_cfg: ModelConfig, hidden,
+                *, compact: bool = False):
+    """The shared, frozen lm_head over the head's output: [..., E] -> float32 [..., V].
+
+    With a reduced draft vocabulary (``params["draft_vocab"]``, [Vd]) only those columns are
+    computed; the rest are NEG_LOGIT, so the draft's distribution is 0 off the subset (the
+    acceptance rule stays exact). ``compact=True`` returns the [..., Vd] scores instead.
+    """
+    vocab = head_params.get("draft_vocab")
     if cfg.norms:
-        return lm_head(dict(target_params, norm=head_params["final_norm"]), target_cfg, hidden)
-    w = target_params["embed"].T if target_cfg.tie_word_embeddings else target_params["lm_head"]
-    return (hidden @ w).astype(jnp.float32)
+        norm = head_params["final_norm"]
+        eps = cfg.layer.rms_norm_eps if "lm_head" in head_params else target_cfg.rms_norm_eps
+        x = rms_norm(hidden, norm, eps)
+    else:
+        x = hidden
+    w = (_columns(head_params["lm_head"], vocab) if "lm_head" in head_params  # own (loaded MTP)
+         else _output_matrix(target_params, target_cfg, vocab))
+    logits = (x @ w).astype(jnp.float32)
+    if vocab is None or compact:
+        return logits
+    full = jnp.full(logits.shape[:-1] + (cfg.layer.vocab_size,), NEG_LOGIT, jnp.float32)
+    return full.at[..., vocab].set(logits)

@@ -203,3 +203,66 @@ def test_answer_only_loss_ignores_prompt_positions(setup):
     assert float(zero["cls"]) == pytest.approx(float(none["cls"]))
     assert float(ans["cls"]) != pytest.approx(float(none["cls"]), rel=1e-4)
     assert float(empty["cls"]) == 0.0 and float(empty["top1"]) == 0.0
+
+
+def test_head_training_with_reduced_vocab(setup):
+    """A head restricted to the 40 most frequent answer tokens trains (loss over the subset),
+    its exact top-1 (vs the full-vocabulary teacher) improves, and it drafts losslessly."""
+    import jax.numpy as jnp
+    from specjax.heads import Head
+    target, data, work = setup
+    vocab = data_lib.draft_vocab(data, 40, target.config.vocab_size)
+    hcfg = HeadConfig.for_target(target.config, "mtp")
+    hcfg = HeadConfig(kind="mtp", layer=hcfg.layer, draft_vocab_size=40)
+    tc = trainer.TrainConfig(steps=60, batch_size=16, seq_len=32, lr=3e-3, warmup=5, log_every=5)
+    vj = jnp.asarray(vocab)
+
+    def loss_fn(p, tp, tokens, lengths, hidden, plens, exact=False):
+        return trainer.head_loss(dict(p, draft_vocab=vj), hcfg, tp, target.config, tokens, lengths,
+                                 hidden, tc, plens, exact_top1=exact)
+
+    def exact(p, *a):
+        return loss_fn(p, *a, exact=True)
+
+    params = init_head(hcfg, jax.random.key(0))
+    params.pop("draft_vocab")
+    before = trainer.evaluate(exact, params, target.params, data, 16, 32)
+    params = trainer.fit(loss_fn, params, target.params, data, tc, str(work / "run-vocab"))
+    after = trainer.evaluate(exact, params, target.params, data, 16, 32)
+    within = trainer.evaluate(loss_fn, params, target.params, data, 16, 32)
+    assert after["cls"] < 0.9 * before["cls"]
+    assert after["top1"] > before["top1"] + 0.1
+    assert within["top1"] >= after["top1"] - 1e-6  # the subset's argmax is easier to hit
+    head = Head(dict(params, draft_vocab=vj), hcfg)
+    prompts = [[3, 4, 5], [9]]
+    plain = sj.generate(target, prompts, max_new_tokens=20, eos_token_id=[])
+    spec = sj.generate(target, prompts, max_new_tokens=20, draft=head, method="mtp",
+                       num_draft_tokens=3, eos_token_id=[])
+    assert spec.tokens == plain.tokens
+    untrained = sj.generate(target, prompts, max_new_tokens=20, method="mtp", num_draft_tokens=3,
+                            draft=Head(init_head(hcfg, jax.random.key(0)) | {"draft_vocab": vj}, hcfg),
+                            eos_token_id=[])
+    assert spec.stats["mean_accepted_length"] > untrained.stats["mean_accepted_length"]
+
+
+def test_resume_refuses_a_different_run(setup):
+    target, data, work = setup
+    hcfg = HeadConfig.for_target(target.config, "mtp")
+    tc = trainer.TrainConfig(steps=2, batch_size=8, seq_len=32, log_every=1)
+
+    def loss_fn(p, tp, tokens, lengths, hidden, plens):
+        return trainer.head_loss(p, hcfg, tp, target.config, tokens, lengths, hidden, tc, plens)
+
+    run = str(work / "run-sig")
+    trainer.fit(loss_fn, init_head(hcfg, jax.random.key(0)), target.params, data, tc, run,
+                signature={"sequences": 48})
+    import dataclasses
+    with pytest.raises(ValueError, match="train_config.lr"):
+        trainer.fit(loss_fn, init_head(hcfg, jax.random.key(0)), target.params, data,
+                    dataclasses.replace(tc, lr=5e-4), run, signature={"sequences": 48})
+    with pytest.raises(ValueError, match="signature.sequences"):
+        trainer.fit(loss_fn, init_head(hcfg, jax.random.key(0)), target.params, data, tc, run,
+                    signature={"sequences": 96})
+    # more steps is a resume, not a different run
+    trainer.fit(loss_fn, init_head(hcfg, jax.random.key(0)), target.params, data,
+                dataclasses.replace(tc, steps=3), run, signature={"sequences": 48})

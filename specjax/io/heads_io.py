@@ -371,5 +371,7 @@ def load_head(path: str, dtype=None) -> Head:
         raise ValueError(f"{path!r} holds a {kind!r} checkpoint, not a draft head")
     cfg = HeadConfig.from_dict(extra["head_config"])
     _check_params(params, cfg, repr(path))
-    params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
+    params = jax.tree.map(
+        lambda a: jnp.asarray(a, dtype=None if np.issubdtype(np.asarray(a).dtype, np.integer) else dtype),
+        params)
     return Head(params, cfg)

@@ -135,3 +135,19 @@ def load_hidden(paths: list[str]):
     """Concatenates hidden-state shards -> dict of arrays (tokens, lengths, prompt_lens, hidden)."""
     parts = [np.load(p) for p in paths]
     return {k: np.concatenate([p[k] for p in parts]) for k in ("tokens", "lengths", "prompt_lens", "hidden")}
+
+
+def draft_vocab(data, size: int, vocab_size: int, always=()) -> np.ndarray:
+    """The ``size`` most frequent answer tokens of a hidden-state set (tokens at positions
+    >= prompt_len), plus ``always`` (e.g. EOS), as sorted unique int32 ids: a reduced draft
+    vocabulary (EAGLE-3) for a head. Ties and unused slots go to the lowest ids."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"draft vocabulary size must be in [1, {vocab_size}], got {size}")
+    tokens, lengths, plens = data["tokens"], data["lengths"], data["prompt_lens"]
+    pos = np.arange(tokens.shape[1])[None, :]
+    answer = (pos >= plens[:, None]) & (pos < lengths[:, None])
+    counts = np.bincount(tokens[answer].ravel(), minlength=vocab_size).astype(np.int64)
+    keep = [int(t) for t in always if 0 <= int(t) < vocab_size][:size]
+    counts[keep] = -1  # chosen already
+    rest = np.argsort(-counts, kind="stable")[:size - len(keep)]
+    return np.unique(np.concatenate([np.asarray(keep, np.int64), rest])).astype(np.int32)

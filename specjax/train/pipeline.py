@@ -85,29 +85,48 @@ def acceptance_eval(target, tok, draft, method: str, ks=(1, 3), num_prompts: int
 
 
 def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: trainer.TrainConfig,
-               eval_prompts: int = 8):
+               eval_prompts: int = 8, draft_vocab: int = 0, run_name: str | None = None):
+    """Trains a head; ``draft_vocab`` > 0 restricts it to that many of the most frequent answer
+    tokens of the training data (plus EOS)."""
     from specjax.heads import Head, HeadConfig, init_head  # noqa: PLC0415
     from specjax.io.heads_io import save_head  # noqa: PLC0415
 
     hcfg = HeadConfig.for_target(target.config, kind, norms=norms)
+    train = load_split(work, "train")
+    vocab = None
+    if draft_vocab:
+        eos = tok.eos_token_id if isinstance(tok.eos_token_id, int) else None
+        vocab = jnp.asarray(data_lib.draft_vocab(train, draft_vocab, target.config.vocab_size,
+                                                 always=() if eos is None else (eos,)))
+        hcfg = dataclasses.replace(hcfg, draft_vocab_size=int(vocab.shape[0]))
     # init the block from the target's last layer (a strong start for a next-token predictor)
     params = init_head(hcfg, jax.random.key(tc.seed), dtype=target.dtype)
+    params.pop("draft_vocab", None)  # not trained: a closure constant below
     last = target.params["layers"][-1]
     params["layer"] = {k: (last[k] if k in last else v) for k, v in params["layer"].items()}
-    train = load_split(work, "train")
-    name = f"{kind}-{'norms' if norms else 'nonorms'}"
+    name = f"{kind}-{'norms' if norms else 'nonorms'}" + (f"-v{draft_vocab}" if vocab is not None else "")
+
+    def with_vocab(p):
+        return p if vocab is None else dict(p, draft_vocab=vocab)
 
     def loss_fn(p, tp, tokens, lengths, hidden, plens):
-        return trainer.head_loss(p, hcfg, tp, target.config, tokens, lengths, hidden, tc, plens)
+        return trainer.head_loss(with_vocab(p), hcfg, tp, target.config, tokens, lengths, hidden,
+                                 tc, plens)
+
+    def eval_fn(p, tp, tokens, lengths, hidden, plens):
+        return trainer.head_loss(with_vocab(p), hcfg, tp, target.config, tokens, lengths, hidden,
+                                 tc, plens, exact_top1=True)
 
     t0 = time.perf_counter()
-    params = trainer.fit(loss_fn, params, target.params, train, tc, os.path.join(work, f"run-{name}"),
-                         describe=name)
+    run_dir = os.path.join(work, run_name or f"run-{name}")
+    params = trainer.fit(loss_fn, params, target.params, train, tc, run_dir, describe=name,
+                         signature={"head": hcfg.to_dict(), "sequences": len(train["tokens"])})
     train_time = time.perf_counter() - t0
-    metrics = held_out_eval(loss_fn, params, target.params, work, tc)
-    head = Head(params=params, config=hcfg)
+    metrics = held_out_eval(eval_fn, params, target.params, work, tc)
+    head = Head(params=with_vocab(params), config=hcfg)
     accept = acceptance_eval(target, tok, head, kind, num_prompts=eval_prompts)
-    report = {"name": name, "kind": kind, "norms": norms, "train_config": dataclasses.asdict(tc),
+    report = {"name": name, "kind": kind, "norms": norms, "draft_vocab": draft_vocab,
+              "train_config": dataclasses.asdict(tc),
               "train_tokens": int(train["lengths"].sum()),
               "train_answer_tokens": int((train["lengths"] - train["prompt_lens"]).sum()),
               "train_time_s": train_time,
@@ -120,7 +139,7 @@ def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: tra
 
 
 def train_draft(target, tok, work: str, out: str, num_layers: int, tc: trainer.TrainConfig,
-                eval_prompts: int = 8):
+                eval_prompts: int = 8, run_name: str | None = None):
     from specjax.io.checkpoint import save_checkpoint  # noqa: PLC0415
     from specjax.model import Model  # noqa: PLC0415
 
@@ -136,8 +155,10 @@ def train_draft(target, tok, work: str, out: str, num_layers: int, tc: trainer.T
         return trainer.draft_loss(p, tp, target.config, cfg, tokens, lengths, hidden, tc, plens)
 
     t0 = time.perf_counter()
-    trainable = trainer.fit(loss_fn, trainable, target.params, train, tc,
-                            os.path.join(work, f"run-draft{num_layers}"), describe=f"draft{num_layers}")
+    run_dir = os.path.join(work, run_name or f"run-draft{num_layers}")
+    trainable = trainer.fit(loss_fn, trainable, target.params, train, tc, run_dir,
+                            describe=f"draft{num_layers}",
+                            signature={"layers": num_layers, "sequences": len(train["tokens"])})
     train_time = time.perf_counter() - t0
     metrics = held_out_eval(loss_fn, trainable, target.params, work, tc)
     params = dict(frozen, **trainable)

@@ -74,7 +74,7 @@ def _loss_mask(t, offset, lengths, prompt_lens, tc: TrainConfig):
 
 
 def head_loss(head_params, head_cfg: heads.HeadConfig, tp, tcfg, tokens, lengths, hidden,
-              tc: TrainConfig, prompt_lens=None):
+              tc: TrainConfig, prompt_lens=None, *, exact_top1: bool = False):
     """Head loss on one batch. tp/tcfg: the target's params and config; tokens [B, T],
     lengths [B], hidden [B, T, E], prompt_lens [B] (optional; see ``_loss_mask``).
 
@@ -84,12 +84,26 @@ def head_loss(head_params, head_cfg: heads.HeadConfig, tp, tcfg, tokens, lengths
     through the fed-back features. The loss averages the R passes; metrics report pass 1 (and
     ``top1_r{R}`` for the last pass). Unlike inference, the earlier positions of pass r also use
     fed-back features (their cached K/V would come from the target's features).
+
+    With a reduced draft vocabulary (``head_params["draft_vocab"]``, [Vd]) the soft CE runs over
+    the Vd tokens against the target's distribution renormalised to them (the head cannot propose
+    anything else), at Vd/V of the output projection's cost; ``top1`` then is agreement within
+    the subset unless ``exact_top1`` (the full-vocabulary teacher's argmax: what greedy
+    acceptance sees; one more V-wide projection, for evaluation).
     """
     b, t = tokens.shape
     hidden = hidden.astype(jnp.float32)
     feats = heads.head_features(tp, tcfg, hidden[:, :-1], head_cfg)  # f_j, j = 0..T-2
     h_next = hidden[:, 1:]  # h_{j+1}
-    teacher = jax.lax.stop_gradient(lm_head(tp, tcfg, h_next))  # predicts x_{j+2}
+    vocab = head_params.get("draft_vocab")
+    if vocab is None:
+        teacher = jax.lax.stop_gradient(lm_head(tp, tcfg, h_next))  # predicts x_{j+2}
+        want = jnp.argmax(teacher, -1)
+    else:
+        # [B, T-1, Vd]: the target's logits on the subset
+        teacher = jax.lax.stop_gradient(heads.target_logits(tp, tcfg, h_next, vocab))
+        want = (jnp.argmax(lm_head(tp, tcfg, h_next), -1) if exact_top1
+                else jnp.take(vocab, jnp.argmax(teacher, -1)))
     kv, pt, pos = _paged(b, t - 1, head_cfg.layer)
     mask = _loss_mask(t - 1, 2, lengths, prompt_lens, tc)  # head position j predicts x_{j+2}
     denom = jnp.maximum(mask.sum(), 1.0)
@@ -101,11 +115,12 @@ def head_loss(head_params, head_cfg: heads.HeadConfig, tp, tcfg, tokens, lengths
     for r in range(max(tc.rollout, 1)):
         hh, _ = heads.head_forward(head_params, head_cfg, tp, tcfg, tokens[:, 1:], feats, pos, kv,
                                    pt, jnp.zeros((b,), jnp.int32), jnp.maximum(lengths - 1, 1))
-        logits = heads.head_logits(head_params, head_cfg, tp, tcfg, hh)
+        logits = heads.head_logits(head_params, head_cfg, tp, tcfg, hh, compact=True)
+        got = jnp.argmax(logits, -1) if vocab is None else jnp.take(vocab, jnp.argmax(logits, -1))
         out = rms_norm(hh, jnp.ones(hh.shape[-1]), 1e-6) if head_cfg.norms else hh
         reg = (_smooth_l1(out, reg_target) * mask).sum() / denom
         cls = (_soft_ce(teacher, logits) * mask).sum() / denom
-        top1 = ((jnp.argmax(logits, -1) == jnp.argmax(teacher, -1)) * mask).sum() / denom
+        top1 = ((got == want) * mask).sum() / denom
         total = total + tc.reg_weight * reg + tc.cls_weight * cls
         if r == 0:
             metrics = {"reg": reg, "cls": cls, "top1": top1}
@@ -171,13 +186,41 @@ def _prompt_lens(data):
     return np.zeros((len(data["tokens"]),), np.int32)
 
 
-def fit(loss_fn, trainable, frozen, data, tc: TrainConfig, run_dir: str, describe: str = ""):
+_RESUME_FREE = ("steps", "save_every", "log_every")  # may change between a run and its resume
+
+
+def _check_resume(run_dir: str, tc: TrainConfig, signature: dict | None):
+    """Writes run_dir/run.json on a fresh run; on resume, ValueError if the training config or
+    ``signature`` (what is trained, on how much data) differs from the run being resumed."""
+    meta = {"train_config": {k: v for k, v in dataclasses.asdict(tc).items() if k not in _RESUME_FREE},
+            "signature": signature or {}}
+    meta = json.loads(json.dumps(meta))  # tuples -> lists, as read back
+    path = os.path.join(run_dir, "run.json")
+    if not os.path.exists(path):
+        if not os.path.exists(os.path.join(run_dir, "state.npz")):
+            with open(path, "w") as f:
+                json.dump(meta, f, indent=2)
+        return  # (a run from before run.json existed resumes unchecked)
+    with open(path) as f:
+        old = json.load(f)
+    diff = [f"{group}.{k}" for group in meta for k in set(meta[group]) | set(old.get(group, {}))
+            if meta[group].get(k) != old.get(group, {}).get(k)]
+    if diff:
+        raise ValueError(f"{run_dir} holds a run with different {', '.join(sorted(diff))}: "
+                         "pick another run directory (--run-name) or delete it to start over")
+
+
+def fit(loss_fn, trainable, frozen, data, tc: TrainConfig, run_dir: str, describe: str = "",
+        signature: dict | None = None):
     """Generic resumable optax loop.
 
-    loss_fn(trainable, frozen, tokens, lengths, hidden, prompt_lens) -> (loss, metrics). ``frozen`` (the
-    target's params) is a jit argument, never a closure constant (XLA would fold 100+ MB of it).
+    loss_fn(trainable, frozen, tokens, lengths, hidden, prompt_lens) -> (loss, metrics). ``frozen``
+    (the target's params) is a jit argument, never a closure constant (XLA would fold 100+ MB of
+    it). Resuming checks that ``tc`` (all but steps / save_every / log_every) and ``signature``
+    match the run in ``run_dir``.
     """
     os.makedirs(run_dir, exist_ok=True)
+    _check_resume(run_dir, tc, signature)
     opt = _optimizer(tc)
     opt_state = opt.init(trainable)
     state_path = os.path.join(run_dir, "state.npz")
