@@ -86,6 +86,21 @@ def test_resume_continues_from_checkpoint(setup):
     # resuming restores params + optimizer state + data order: same result as one run
     for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # orbax states at steps 5 and 10 (the newest two kept)
+    assert sorted(n for n in os.listdir(run) if n.startswith("state-")) == ["state-00000005",
+                                                                             "state-00000010"]
+
+
+def test_legacy_npz_state_resumes(tmp_path):
+    tree = {"a": np.arange(3.0), "b": [np.ones((2, 2)), np.zeros(1)]}
+    np.savez(tmp_path / "state.npz", step=7,
+             **{f"l{i}": x for i, x in enumerate(jax.tree.leaves(tree))})
+    got, step = trainer._load_state(str(tmp_path), tree)
+    assert step == 7
+    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(a, b)
+    os.makedirs(tmp_path / "empty")
+    assert trainer._load_state(str(tmp_path / "empty"), tree) is None
 
 
 def test_draft_llm_distillation(setup):

@@ -7,8 +7,9 @@ match the target's next-token distribution softmax(lm_head(h_{j+1})) (soft cross
 Draft LLMs: KL to the target's next-token distribution at every position, with the target's
 embedding, final norm and lm_head shared and frozen.
 
-Runs are resumable: ``run_dir/state.npz`` (params + optimizer state + step) is written every
-``save_every`` steps; ``run_dir/log.jsonl`` has one line per logged step.
+Runs are resumable: an orbax checkpoint ``run_dir/state-<step>`` (params + optimizer state +
+step) is written every ``save_every`` steps and at the end (the newest two are kept);
+``run_dir/log.jsonl`` has one line per logged step.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import shutil
 import time
 
 import jax
@@ -157,16 +160,45 @@ def _optimizer(tc: TrainConfig):
                        optax.adamw(sched, weight_decay=tc.weight_decay))
 
 
-def _save_state(path, tree, step):
-    leaves = jax.tree.leaves(tree)
-    np.savez(path + ".tmp.npz", step=step, **{f"l{i}": np.asarray(x) for i, x in enumerate(leaves)})
-    os.replace(path + ".tmp.npz", path)
+_STATE = re.compile(r"^state-(\d{8})$")
 
 
-def _load_state(path, template):
-    z = np.load(path)
-    leaves = [z[f"l{i}"] for i in range(len(jax.tree.leaves(template)))]
-    return jax.tree.unflatten(jax.tree.structure(template), [jnp.asarray(x) for x in leaves]), int(z["step"])
+def _save_state(run_dir: str, tree, step: int, keep: int = 2) -> None:
+    """Writes params + optimizer state as the orbax checkpoint ``run_dir/state-<step>`` (orbax
+    finalises a checkpoint by renaming its temporary directory, so an interrupted save leaves the
+    previous one intact), then drops all but the newest ``keep``."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    leaves = {f"l{i:04d}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(tree))}
+    path = os.path.abspath(os.path.join(run_dir, f"state-{step:08d}"))
+    with ocp.PyTreeCheckpointer() as ckptr:
+        ckptr.save(path, {"step": np.asarray(step, np.int64), "leaves": leaves}, force=True)
+    for old in sorted(n for n in os.listdir(run_dir) if _STATE.match(n))[:-keep]:
+        shutil.rmtree(os.path.join(run_dir, old), ignore_errors=True)
+
+
+def _has_state(run_dir: str) -> bool:
+    return (any(_STATE.match(n) for n in os.listdir(run_dir))
+            or os.path.exists(os.path.join(run_dir, "state.npz")))
+
+
+def _load_state(run_dir: str, template):
+    """(tree shaped like ``template``, step) from the newest state in run_dir, or None. Reads a
+    legacy ``state.npz`` when there is no orbax state."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    n = len(jax.tree.leaves(template))
+    names = sorted(n for n in os.listdir(run_dir) if _STATE.match(n))
+    if names:
+        with ocp.PyTreeCheckpointer() as ckptr:
+            z = ckptr.restore(os.path.abspath(os.path.join(run_dir, names[-1])))
+        leaves, step = [z["leaves"][f"l{i:04d}"] for i in range(n)], int(z["step"])
+    elif os.path.exists(os.path.join(run_dir, "state.npz")):
+        z = np.load(os.path.join(run_dir, "state.npz"))
+        leaves, step = [z[f"l{i}"] for i in range(n)], int(z["step"])
+    else:
+        return None
+    return jax.tree.unflatten(jax.tree.structure(template), [jnp.asarray(x) for x in leaves]), step
 
 
 def _batches(data, tc: TrainConfig, start_step: int):
@@ -197,7 +229,7 @@ def _check_resume(run_dir: str, tc: TrainConfig, signature: dict | None):
     meta = json.loads(json.dumps(meta))  # tuples -> lists, as read back
     path = os.path.join(run_dir, "run.json")
     if not os.path.exists(path):
-        if not os.path.exists(os.path.join(run_dir, "state.npz")):
+        if not _has_state(run_dir):
             with open(path, "w") as f:
                 json.dump(meta, f, indent=2)
         return  # (a run from before run.json existed resumes unchecked)
@@ -223,10 +255,10 @@ def fit(loss_fn, trainable, frozen, data, tc: TrainConfig, run_dir: str, describ
     _check_resume(run_dir, tc, signature)
     opt = _optimizer(tc)
     opt_state = opt.init(trainable)
-    state_path = os.path.join(run_dir, "state.npz")
     start = 0
-    if os.path.exists(state_path):
-        (trainable, opt_state), start = _load_state(state_path, (trainable, opt_state))
+    loaded = _load_state(run_dir, (trainable, opt_state))
+    if loaded is not None:
+        (trainable, opt_state), start = loaded
         print(f"resuming {run_dir} at step {start}", flush=True)
 
     @jax.jit
@@ -252,8 +284,9 @@ def fit(loss_fn, trainable, frozen, data, tc: TrainConfig, run_dir: str, describ
             log.write(json.dumps(dict(step=step + 1, time=el, **m)) + "\n")
             log.flush()
         if (step + 1) % tc.save_every == 0:
-            _save_state(state_path, (trainable, opt_state), step + 1)
-    _save_state(state_path, (trainable, opt_state), tc.steps)
+            _save_state(run_dir, (trainable, opt_state), step + 1)
+    if tc.steps > start and tc.steps % tc.save_every:  # the last steps since a periodic save
+        _save_state(run_dir, (trainable, opt_state), tc.steps)
     return trainable
 
 
