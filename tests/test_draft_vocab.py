@@ -50,8 +50,9 @@ def test_head_logits_on_the_subset_only(target, kind):
     assert np.all(np.asarray(jax.nn.softmax(got, -1))[..., off] == 0.0)
 
 
-@pytest.mark.parametrize("kind,method,k", [("mtp", "mtp", 1), ("mtp", "mtp", 3), ("eagle", "eagle", 2),
-                                           ("eagle", "eagle-tree", None)])
+@pytest.mark.parametrize("kind,method,k", [
+    pytest.param("mtp", "mtp", 1, marks=pytest.mark.slow), ("mtp", "mtp", 3),
+    pytest.param("eagle", "eagle", 2, marks=pytest.mark.slow), ("eagle", "eagle-tree", None)])
 def test_greedy_lossless_with_reduced_vocab(target, plain, kind, method, k):
     # half the vocabulary, chosen at random: many target tokens can never be drafted
     head = set_draft_vocab(_head(target, kind), _subset(target, target.config.vocab_size // 2))
@@ -79,7 +80,8 @@ def dist_target():
     return tiny_model(11, vocab=V, hidden=16, layers=2, heads=2, kv_heads=1, scale=1.0)
 
 
-@pytest.mark.parametrize("draft_sampling", [False, True], ids=["point_mass", "sampled_q"])
+@pytest.mark.parametrize("draft_sampling", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["point_mass", "sampled_q"])
 def test_distribution_matches_target_with_reduced_vocab(dist_target, draft_sampling):
     """Drafts come from 4 of the 6 tokens; the output is still distributed as the target's own
     sampler (chi-square at ALPHA over all 6^3 continuations)."""

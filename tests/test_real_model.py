@@ -71,13 +71,19 @@ def test_perplexity_on_held_out_wikipedia(smol, tok):
     assert 8.0 < ppl < 30.0, ppl
 
 
-def test_shipped_mtp_head_is_lossless_and_accepted(smol, tok):
-    """The committed checkpoints/smollm2-mtp head loads, drafts losslessly and gets accepted."""
+@pytest.mark.parametrize("name", [pytest.param("smollm2-mtp", marks=pytest.mark.slow), "smollm2-mtp-v8k",
+                                  pytest.param("smollm2-draft", marks=pytest.mark.slow)])
+def test_shipped_draft_is_lossless_and_accepted(smol, tok, name):
+    """Each committed draft under checkpoints/ loads, drafts losslessly and gets accepted."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    head = sj.load_draft(os.path.join(repo, "checkpoints", "smollm2-mtp"), target=smol)
+    path = os.path.join(repo, "checkpoints", name)
+    if not os.path.isdir(path):
+        pytest.skip(f"checkpoints/{name} is not in this checkout")
+    draft = sj.load_draft(path, target=smol)
+    method = draft.config.kind if isinstance(draft, sj.heads.Head) else "draft"
     ids = tok.apply_chat_template([{"role": "user", "content": "Tell me about the Moon."}])
     plain = sj.generate(smol, [ids], max_new_tokens=32, eos_token_id=[])
-    spec = sj.generate(smol, [ids], max_new_tokens=32, draft=head, method="mtp",
+    spec = sj.generate(smol, [ids], max_new_tokens=32, draft=draft, method=method,
                        num_draft_tokens=2, eos_token_id=[])
     assert spec.tokens == plain.tokens
     assert spec.stats["acceptance_rate"] > 0.1
