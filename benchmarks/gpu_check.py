@@ -687,7 +687,8 @@ def sec_smollm2(sizes: Sizes, explicit: str | None, report: Report):
         drafts["draft"] = (sj.early_exit_draft(target, 2 if not sizes.smol_tiny else 1),
                            "early-exit 2 layers")
         ks["draft"] = 1
-    for method, name in (("mtp", "smollm2-mtp"), ("eagle", "smollm2-eagle")):
+    best_mtp = "smollm2-mtp-v8k" if is_checkpoint(os.path.join(ck, "smollm2-mtp-v8k")) else "smollm2-mtp"
+    for method, name in (("mtp", best_mtp), ("eagle", "smollm2-eagle")):
         if not sizes.smol_tiny and is_checkpoint(os.path.join(ck, name)):
             drafts[method] = (sj.load_draft(os.path.join(ck, name), target=target),
                               f"checkpoints/{name}")

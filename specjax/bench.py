@@ -446,8 +446,8 @@ def add_arguments(p, *, max_new_tokens=32, num_prompts=4, batch=4, repeats=2, ou
                         "checkpoints/smollm2-draft if present, else an early-exit draft)")
     p.add_argument("--early-exit-layers", type=int, default=2,
                    help="layers of the early-exit fallback draft (the target's first n layers)")
-    p.add_argument("--mtp", default="auto", help="MTP head path, 'auto' (checkpoints/smollm2-mtp) "
-                                                  "or 'none'")
+    p.add_argument("--mtp", default="auto", help="MTP head path, 'auto' (checkpoints/smollm2-mtp-v8k, else "
+                                                  "smollm2-mtp) or 'none'")
     p.add_argument("--eagle", default="auto", help="EAGLE head path, 'auto' "
                                                     "(checkpoints/smollm2-eagle) or 'none'")
     p.add_argument("--k-draft", type=int, default=None,
@@ -515,7 +515,9 @@ def run_from_args(args) -> dict:
         drafts["draft"] = (sj.early_exit_draft(target, n), f"early-exit {n} layers")
         trained = False
     ks["draft"] = args.k_draft or (3 if trained else 1)
-    for method, arg, name, k in (("mtp", args.mtp, "smollm2-mtp", args.k_mtp),
+    mtp_name = next((n for n in ("smollm2-mtp-v8k", "smollm2-mtp")
+                     if is_checkpoint(os.path.join(repo_checkpoints(), n))), "smollm2-mtp")
+    for method, arg, name, k in (("mtp", args.mtp, mtp_name, args.k_mtp),
                                  ("eagle", args.eagle, "smollm2-eagle", args.k_eagle)):
         head = _resolve_head(target, arg, name)
         if head is not None:

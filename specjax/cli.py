@@ -48,7 +48,8 @@ def _write_json(obj, dest: str | None) -> None:
         _log(f"wrote {dest}")
 
 
-SHIPPED = (("smollm2-mtp", "mtp"), ("smollm2-eagle", "eagle"), ("smollm2-draft", "draft"))
+SHIPPED = (("smollm2-mtp-v8k", "mtp"), ("smollm2-mtp", "mtp"), ("smollm2-eagle", "eagle"),
+           ("smollm2-draft", "draft"))
 
 
 def default_draft(target, method: str | None = None, layers: int = 8):
