@@ -65,7 +65,7 @@ def main(argv=None):
         sj.generate(target, prompts[:1], **kw, **extra)
 
     plain_t = 0.0
-    acc = {c: dict(time=0.0, lens=[], same=True) for c in configs}
+    acc = {c: dict(time=0.0, lens=[], per_pos=[], same=True) for c in configs}
     for p in prompts:
         want, t = timed(p)
         plain_t += t
@@ -75,6 +75,7 @@ def main(argv=None):
             a = acc[(name, k)]
             a["time"] += t
             a["lens"].append(out.stats["mean_accepted_length"])
+            a["per_pos"].append(out.stats["per_position_acceptance"])
             a["same"] &= out.tokens[0] == want.tokens[0]
 
     rows = []
@@ -85,7 +86,8 @@ def main(argv=None):
     for (name, k), a in acc.items():
         row = dict(draft=name, method=_method(drafts[name]), k=k,
                    mean_accepted_length=float(np.mean(a["lens"])), speedup=plain_t / a["time"],
-                   identical_to_plain=bool(a["same"]), wall_time_s=a["time"])
+                   identical_to_plain=bool(a["same"]), wall_time_s=a["time"],
+                   per_position_acceptance=np.mean(np.asarray(a["per_pos"], float), 0).tolist())
         rows.append(row)
         print(f"| {name} | {row['method']} | {k} | {row['mean_accepted_length']:.2f} | "
               f"{row['speedup']:.2f}x | {'yes' if a['same'] else 'NO'} |")

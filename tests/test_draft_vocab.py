@@ -12,19 +12,8 @@ from specjax.heads import HeadConfig, set_draft_vocab
 from specjax.io.heads_io import save_head
 from specjax.train import data as data_lib
 from specjax.tree import TreeConfig
-from tests.conftest import tiny_model
-from tests.test_heads import _head
+from tests.test_heads import _head, dist_target, plain, target  # noqa: F401 (fixtures)
 from tests.test_speculative import ALPHA, N_ROWS, PROMPT, PROMPTS, V, _chi2_pvalue, _exact_joint
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model(0)
-
-
-@pytest.fixture(scope="module")
-def plain(target):
-    return sj.generate(target, PROMPTS, max_new_tokens=30, eos_token_id=[]).tokens
 
 
 def _subset(target, size, seed=0):
@@ -73,11 +62,6 @@ def test_self_consistent_subset_accepts_what_the_full_head_accepts(target, plain
                        num_draft_tokens=3, eos_token_id=[])
     assert same.tokens == plain
     assert same.stats["mean_accepted_length"] == pytest.approx(full.stats["mean_accepted_length"])
-
-
-@pytest.fixture(scope="module")
-def dist_target():
-    return tiny_model(11, vocab=V, hidden=16, layers=2, heads=2, kv_heads=1, scale=1.0)
 
 
 @pytest.mark.parametrize("draft_sampling", [pytest.param(False, marks=pytest.mark.slow), True],
