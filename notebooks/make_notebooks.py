@@ -184,9 +184,9 @@ opt = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(2e-3))
 opt_state = opt.init(params)
 
 @jax.jit
-def update(p, s, tp, tokens, lengths, hidden):
+def update(p, s, tp, tokens, lengths, hidden, prompt_lens):   # loss on answer tokens only
     (loss, m), g = jax.value_and_grad(trainer.head_loss, has_aux=True)(
-        p, hcfg, tp, target.config, tokens, lengths, hidden, tc)
+        p, hcfg, tp, target.config, tokens, lengths, hidden, tc, prompt_lens)
     u, s = opt.update(g, s, p)
     return optax.apply_updates(p, u), s, dict(m, loss=loss)
 
@@ -197,7 +197,8 @@ for stage in STAGES:
     while step < stage:
         idx = rng.choice(len(train["tokens"]), BATCH, replace=False)
         params, opt_state, m = update(params, opt_state, target.params, train["tokens"][idx],
-                                      train["lengths"][idx], train["hidden"][idx].astype(np.float32))
+                                      train["lengths"][idx], train["hidden"][idx].astype(np.float32),
+                                      train["prompt_lens"][idx])
         step += 1
         if step % 5 == 0 or step == 1:
             log.append({"step": step, **{k: float(v) for k, v in m.items()}})
