@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from specjax import deepseek, kv_cache
 from specjax.config import ModelConfig
-from specjax.model import decoder_layer, embed, init_params, lm_head, rms_norm
+from specjax.model import decoder_layer, embed, init_params, rms_norm
 
 
 @dataclasses.dataclass(frozen=True)
