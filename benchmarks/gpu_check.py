@@ -662,7 +662,7 @@ def sec_smollm2(sizes: Sizes, explicit: str | None, report: Report):
 
     import specjax as sj
     from specjax import bench
-    from specjax.cli import repo_checkpoints
+    from specjax.cli import best_shipped, repo_checkpoints
     from specjax.io.checkpoint import is_checkpoint
 
     if sizes.smol_tiny:
@@ -687,8 +687,7 @@ def sec_smollm2(sizes: Sizes, explicit: str | None, report: Report):
         drafts["draft"] = (sj.early_exit_draft(target, 2 if not sizes.smol_tiny else 1),
                            "early-exit 2 layers")
         ks["draft"] = 1
-    best_mtp = "smollm2-mtp-v8k" if is_checkpoint(os.path.join(ck, "smollm2-mtp-v8k")) else "smollm2-mtp"
-    for method, name in (("mtp", best_mtp), ("eagle", "smollm2-eagle")):
+    for method, name in (("mtp", best_shipped("mtp") or "smollm2-mtp"), ("eagle", "smollm2-eagle")):
         if not sizes.smol_tiny and is_checkpoint(os.path.join(ck, name)):
             drafts[method] = (sj.load_draft(os.path.join(ck, name), target=target),
                               f"checkpoints/{name}")

@@ -71,14 +71,6 @@ def load_model(path: str, dtype=jnp.float32) -> Model:
     return _as_model(cfg, params, dtype, path)
 
 
-def _cast_floats(params, dtype):
-    """Casts float leaves to dtype; integer leaves (a head's draft vocabulary) keep theirs."""
-    def cast(a):
-        a = jnp.asarray(a)
-        return a if jnp.issubdtype(a.dtype, jnp.integer) else a.astype(dtype)
-    return jax.tree.map(cast, params)
-
-
 def load_draft(path, target: Model, dtype=None):
     """Loads a draft for ``target``.
 
@@ -90,7 +82,7 @@ def load_draft(path, target: Model, dtype=None):
     Returns:
       a Model (method="draft") or a Head (method="mtp" / "eagle").
     """
-    from specjax.heads import Head  # noqa: PLC0415
+    from specjax.heads import Head, cast_floats  # noqa: PLC0415
     from specjax.io import checkpoint  # noqa: PLC0415
 
     if not isinstance(target, Model):
@@ -99,13 +91,13 @@ def load_draft(path, target: Model, dtype=None):
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
     if isinstance(path, (Model, Head)):
-        draft = dataclasses.replace(path, params=_cast_floats(path.params, dtype))
+        draft = dataclasses.replace(path, params=cast_floats(path.params, dtype))
     elif isinstance(path, str) and checkpoint.is_checkpoint(path):
         kind = checkpoint.checkpoint_kind(path)
         if kind == "head":
             from specjax.io.heads_io import load_head  # noqa: PLC0415
             head = load_head(path)
-            draft = Head(params=_cast_floats(head.params, dtype), config=head.config)
+            draft = Head(params=cast_floats(head.params, dtype), config=head.config)
         elif kind == "draft_llm":
             _, cfg, params, extra = checkpoint.load_checkpoint(path)
             cfg = ModelConfig.from_dict(cfg)

@@ -515,9 +515,9 @@ def run_from_args(args) -> dict:
         drafts["draft"] = (sj.early_exit_draft(target, n), f"early-exit {n} layers")
         trained = False
     ks["draft"] = args.k_draft or (3 if trained else 1)
-    mtp_name = next((n for n in ("smollm2-mtp-v8k", "smollm2-mtp")
-                     if is_checkpoint(os.path.join(repo_checkpoints(), n))), "smollm2-mtp")
-    for method, arg, name, k in (("mtp", args.mtp, mtp_name, args.k_mtp),
+    from specjax.cli import best_shipped  # noqa: PLC0415
+
+    for method, arg, name, k in (("mtp", args.mtp, best_shipped("mtp") or "smollm2-mtp", args.k_mtp),
                                  ("eagle", args.eagle, "smollm2-eagle", args.k_eagle)):
         head = _resolve_head(target, arg, name)
         if head is not None:

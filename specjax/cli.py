@@ -52,6 +52,14 @@ SHIPPED = (("smollm2-mtp-v8k", "mtp"), ("smollm2-mtp", "mtp"), ("smollm2-eagle",
            ("smollm2-draft", "draft"))
 
 
+def best_shipped(kind: str) -> str | None:
+    """Name of the first (best) shipped checkpoint of ``kind`` present in checkpoints/."""
+    from specjax.io.checkpoint import is_checkpoint  # noqa: PLC0415
+
+    return next((name for name, k in SHIPPED
+                 if k == kind and is_checkpoint(os.path.join(repo_checkpoints(), name))), None)
+
+
 def default_draft(target, method: str | None = None, layers: int = 8):
     """The best shipped draft for SmolLM2 (MTP head, EAGLE head, distilled draft LLM, in that
     order; restricted to ``method`` if given), else an untrained early-exit draft.

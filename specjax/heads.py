@@ -100,6 +100,15 @@ def init_head(cfg: HeadConfig, key, dtype=jnp.float32, scale: float = 0.02) -> d
     return params
 
 
+def cast_floats(params, dtype=None):
+    """Casts float leaves to ``dtype`` (None: unchanged); integer leaves (a head's draft
+    vocabulary) keep theirs."""
+    def cast(a):
+        a = jnp.asarray(a)
+        return a if dtype is None or jnp.issubdtype(a.dtype, jnp.integer) else a.astype(dtype)
+    return jax.tree.map(cast, params)
+
+
 def set_draft_vocab(head: "Head", vocab) -> "Head":
     """A copy of ``head`` scoring only the token ids ``vocab`` (1-D, unique, in [0, V))."""
     import numpy as np  # noqa: PLC0415

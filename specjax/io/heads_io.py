@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.heads import Head, HeadConfig, init_head
+from specjax.heads import Head, HeadConfig, cast_floats, init_head
 from specjax.io.hf import _LAYER_TABLE, _read_safetensors
 
 __all__ = ["load_eagle1", "save_mtp_deepseek", "load_mtp_deepseek", "save_head", "load_head"]
@@ -371,7 +371,4 @@ def load_head(path: str, dtype=None) -> Head:
         raise ValueError(f"{path!r} holds a {kind!r} checkpoint, not a draft head")
     cfg = HeadConfig.from_dict(extra["head_config"])
     _check_params(params, cfg, repr(path))
-    params = jax.tree.map(
-        lambda a: jnp.asarray(a, dtype=None if np.issubdtype(np.asarray(a).dtype, np.integer) else dtype),
-        params)
-    return Head(params, cfg)
+    return Head(cast_floats(params, dtype), cfg)

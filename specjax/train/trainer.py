@@ -188,7 +188,7 @@ def _load_state(run_dir: str, template):
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
     n = len(jax.tree.leaves(template))
-    names = sorted(n for n in os.listdir(run_dir) if _STATE.match(n))
+    names = sorted(name for name in os.listdir(run_dir) if _STATE.match(name))
     if names:
         with ocp.PyTreeCheckpointer() as ckptr:
             z = ckptr.restore(os.path.abspath(os.path.join(run_dir, names[-1])))
