@@ -259,7 +259,8 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
              num_draft_tokens: int = 4, temperature=0.0, top_k=0, top_p=1.0, seed: int = 0,
              eos_token_id=None, *, tokenizer=None, draft_sampling: bool = False,
              page_size: int = 16, attn_impl: str = "reference", tree=None,
-             mesh=None) -> GenerateOutput:
+             mesh=None, ngram_min: int = 1, ngram_max: int = 3, hybrid_min: int = 0,
+             adaptive: bool = False) -> GenerateOutput:
     """Generates continuations for a batch of prompts, speculatively or plainly.
 
     The whole generation (prefill + every step) is one jitted call with a ``lax.while_loop`` on
@@ -273,7 +274,8 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
       draft: the draft Model for method "draft"; a specjax.heads.Head for "mtp" / "eagle".
       method: "none" (plain decoding, the baseline), "draft" (a separate draft LLM), "mtp" or
         "eagle" (a head fed by the target's hidden states, drafting a chain), "eagle-tree" (the
-        head drafts a tree, see ``tree``).
+        head drafts a tree, see ``tree``), "ngram" (prompt lookup: no draft model; the tokens
+        that followed the longest earlier match of the row's suffix, see specjax.ngram).
       num_draft_tokens: k, the draft length (1..64).
       temperature, top_k, top_p: sampling settings, scalars or one per prompt. temperature 0 is
         greedy; top_k 0 and top_p 1.0 disable those filters.
@@ -286,6 +288,12 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         (or a ``sharding.ShardingPlan`` choosing the draft's placement); None: one device.
       tree: specjax.tree.TreeConfig for method "eagle-tree" (default: the EAGLE-2 dynamic tree,
         depth 4, top_k 4, 16 nodes); num_draft_tokens is ignored there.
+      ngram_min, ngram_max: suffix-match lengths searched by n-gram drafting (1 <= min <= max).
+      hybrid_min: with method "draft" / "mtp" / "eagle", rows whose history has an n-gram match of
+        at least this many tokens draft by n-gram lookup in the same verify pass (0 = off).
+      adaptive: choose k in {0 (plain step), 1..num_draft_tokens} on device every step from the
+        recent acceptance and a cost model measured on this device (specjax.adaptive); the
+        chosen-k histogram is in stats["k_histogram"].
     Returns:
       GenerateOutput with .tokens (list[list[int]]) and .stats (acceptance_rate,
       mean_accepted_length, per_position_acceptance, steps, tokens_per_second, host_syncs, ...).
@@ -306,7 +314,12 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         raise ValueError(f'tree=... is only used with method="eagle-tree", got method={method!r}')
     if not isinstance(target, Model):
         raise TypeError(f"target must be a specjax Model, got {type(target).__name__}")
-    if method != "none":
+    speculate.check_ngram_settings(method, ngram_min, ngram_max, hybrid_min, adaptive)
+    if method == "ngram":
+        if draft is not None:
+            raise ValueError('method="ngram" drafts from the prompt and needs no draft: drop draft=..., '
+                             'or use hybrid_min=... with method "draft", "mtp" or "eagle"')
+    elif method != "none":
         if draft is None:
             raise ValueError(f'method="{method}" needs a draft (draft=...)')
         check_draft(draft, target, method)
@@ -345,8 +358,10 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         lc = speculate.LoopConfig(method="none", k=1, attn_impl=attn_impl, page_size=page_size)
     else:
         lc = speculate.LoopConfig(method=method, k=spec.num_draft_tokens,
-                                  draft_sampling=draft_sampling,
-                                  attn_impl=attn_impl, page_size=page_size, tree=tree)
+                                  draft_sampling=draft_sampling and method != "ngram",
+                                  attn_impl=attn_impl, page_size=page_size, tree=tree,
+                                  ngram_min=ngram_min, ngram_max=ngram_max, hybrid_min=hybrid_min,
+                                  adaptive=adaptive)
     tp = _bucket(longest)
     k_eff = lc.k_eff
     out_len = _bucket(max_new_tokens) + k_eff + 1
@@ -371,14 +386,25 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         top_p=jnp.asarray([float(p_) for p_ in top_ps] + [1.0] * pad, jnp.float32),
         max_new=jnp.asarray([int(max_new_tokens)] * b + [1] * pad, jnp.int32),
         eos_ids=jnp.asarray(eos + [-1] * (_bucket(len(eos), 8) - len(eos)), jnp.int32))
+    extra_args = ()
+    if adaptive:
+        if mesh is not None:
+            raise ValueError("adaptive=True is not supported with mesh=... yet")
+        from specjax import adaptive as adaptive_mod  # noqa: PLC0415
+        cost = adaptive_mod.measure_costs(
+            target.params, cfg, None if draft is None else draft.params,
+            None if draft is None else draft.config, method=method, kmax=k_eff, batch=bp,
+            context=tp, dtype=target.dtype, page_size=page_size, attn_impl=attn_impl)
+        extra_args = (jnp.asarray(cost, jnp.float32),)
     reads_before = host_reads()
     t0 = time.perf_counter()
     result = run(
         target.params, None if draft is None else draft.params, jnp.asarray(tokens),
-        jnp.asarray(lens, jnp.int32), rp, jnp.asarray(seed, jnp.int32),
+        jnp.asarray(lens, jnp.int32), rp, jnp.asarray(seed, jnp.int32), *extra_args,
         target_cfg=cfg, draft_cfg=None if draft is None else draft.config, lc=lc,
         num_pages_per_seq=ppseq, out_len=out_len)
-    out_tokens, num_out, acc_pos, row_steps, steps = _to_host(result)
+    out_tokens, num_out, acc_pos, row_steps, steps, *extra = _to_host(result)
+    extra = extra[0] if extra else {}
     elapsed = time.perf_counter() - t0
     toks = [out_tokens[i, :num_out[i]].tolist() for i in range(b)]
     total = int(num_out[:b].sum())
@@ -397,6 +423,13 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         "tokens_per_second": total / elapsed if elapsed > 0 else float("inf"),
         "host_syncs": host_reads() - reads_before,
     }
+    if method == "ngram" or adaptive or hybrid_min:
+        # Fewer drafts than row_steps * k were proposed (no match, or a smaller k was chosen).
+        drafted = int(extra.get("drafted", 0))
+        stats["drafted_tokens"] = drafted
+        stats["acceptance_rate"] = accepted / drafted if drafted else float("nan")
+    if "k_hist" in extra:
+        stats["k_histogram"] = [int(c) for c in extra["k_hist"]]
     texts = None
     if tokenizer is not None:
         texts = [tokenizer.decode(t) for t in toks]
