@@ -65,7 +65,7 @@ def smollm2_setup(args):
 def run_engine(target, draft, method, batch, prompts, args, token_bucket):
     longest = max(map(len, prompts))
     eng = Engine(target, draft, EngineConfig(
-        method=method, num_draft_tokens=args.k, max_slots=batch, batch_buckets=(batch,),
+        method=method, num_draft_tokens=args.k, max_slots=batch,  # buckets: powers of two <= B
         token_buckets=(token_bucket,), max_model_len=longest + args.max_tokens,
         page_size=16))
     eng.warmup()

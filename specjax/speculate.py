@@ -154,7 +154,7 @@ class DecodeState:
     acc_obs: jax.Array | None = None  # [K] float32 decayed reached counts per draft position
     cost: jax.Array | None = None  # [K+1] float32 cost of a k-step relative to a plain step
     k_hist: jax.Array | None = None  # [K+1] int32 steps that chose each k
-    logits_stale: jax.Array | None = None  # [] bool draft_logits must be recomputed (after k=0)
+    logits_stale: jax.Array | None = None  # [B] bool draft_logits must be recomputed (after k=0)
     draft_hidden: jax.Array | None = None  # [B, E] draft LLM's last hidden state (adaptive "draft")
 
 
@@ -297,7 +297,7 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
             raise ValueError("adaptive speculation needs the cost model (cost=[K+1] array)")
         extra = {}
         if lc.method != "ngram":
-            extra["logits_stale"] = jnp.zeros((), bool)
+            extra["logits_stale"] = jnp.zeros((b,), bool)
         if lc.method == "draft":
             extra["draft_hidden"] = jnp.zeros((b, draft_cfg.hidden_size), kv_dtype)
         state = dataclasses.replace(
@@ -374,7 +374,10 @@ def _draft_model(target_params, target_cfg, draft_params, draft_cfg, state, rp, 
                 return heads.head_logits(draft_params, draft_cfg, target_params, target_cfg,
                                          state.head_hidden)
             return lm_head(draft_params, draft_cfg, state.draft_hidden)
-        draft_logits = lax.cond(state.logits_stale, fresh, lambda: state.draft_logits)
+        draft_logits = lax.cond(
+            jnp.any(state.logits_stale),
+            lambda: jnp.where(state.logits_stale[:, None], fresh(), state.draft_logits),
+            lambda: state.draft_logits)
         state = dataclasses.replace(state, draft_logits=draft_logits)
     kv, tokens, probs = _draft_rollout(target_params, target_cfg, draft_params, draft_cfg, state,
                                        rp, lc)
@@ -455,7 +458,7 @@ def _plain_step(target_params, target_cfg, draft_params, draft_cfg, state: Decod
                                       state.page_table, n, attn_impl=lc.attn_impl,
                                       return_logits=False)
             updates["draft_hidden"] = jnp.where(active[:, None], dh[:, 0], state.draft_hidden)
-        updates.update(draft_kv=draft_kv, logits_stale=jnp.ones((), bool))
+        updates.update(draft_kv=draft_kv, logits_stale=state.logits_stale | active)
     return _commit(state, rp, zeros, y, y[:, None], drafted=zeros, **updates), zeros, zeros
 
 
@@ -518,7 +521,7 @@ def _chain_step(target_params, target_cfg, draft_params, draft_cfg, state: Decod
         updates.update(draft_kv=draft_kv,
                        draft_logits=jnp.where(active[:, None], new_logits, state.draft_logits))
         if state.logits_stale is not None:
-            updates["logits_stale"] = jnp.zeros((), bool)
+            updates["logits_stale"] = state.logits_stale & ~active
     drafted = jnp.where(dr.proposing, k, 0).astype(jnp.int32)
     return _commit(state, rp, a, y, emitted, drafted=drafted, **updates), a, drafted
 

@@ -55,9 +55,9 @@ from specjax.engine.metrics import EngineMetrics
 from specjax.engine.scheduler import FINISHED, Request, Scheduler, bucket
 from specjax.kv_cache import pages_needed
 from specjax.model import Model
-from specjax.speculate import LoopConfig
+from specjax.speculate import LoopConfig, check_ngram_settings
 
-METHODS = ("none", "draft", "mtp", "eagle", "eagle-tree")
+METHODS = ("none", "draft", "mtp", "eagle", "eagle-tree", "ngram")
 SCHEDULES = ("sync", "async")
 
 
@@ -97,6 +97,10 @@ class EngineConfig:
       batches decode plainly (None = always speculate).
     seed: seeds the streams of requests submitted without one.
     record_timeline: keep per-step host/device timestamps in ``Engine.timeline``.
+    ngram_min / ngram_max / hybrid_min / adaptive: as ``sj.generate`` (method "ngram" needs no
+      draft; ``adaptive`` picks k per speculative step on device, with the cost model measured
+      for each batch bucket at ``warmup()``: speculation fades out as batches become
+      compute-bound).
     """
 
     method: str = "none"
@@ -115,6 +119,10 @@ class EngineConfig:
     seed: int = 0
     record_timeline: bool = False
     tree: object = None
+    ngram_min: int = 1
+    ngram_max: int = 3
+    hybrid_min: int = 0
+    adaptive: bool = False
 
 
 def _is_int(x) -> bool:
@@ -208,9 +216,10 @@ class Engine:
             raise TypeError(f"target must be a specjax Model, got {type(target).__name__}")
         if cfg.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {cfg.method!r}")
-        if cfg.method == "none" and draft is not None:
-            raise ValueError('a draft was given with method="none"')
-        if cfg.method != "none":
+        if cfg.method in ("none", "ngram") and draft is not None:
+            raise ValueError(f'a draft was given with method="{cfg.method}"')
+        check_ngram_settings(cfg.method, cfg.ngram_min, cfg.ngram_max, cfg.hybrid_min, cfg.adaptive)
+        if cfg.method not in ("none", "ngram"):
             if draft is None:
                 raise ValueError(f'method="{cfg.method}" needs a draft')
             check_draft(draft, target, cfg.method)
@@ -257,8 +266,10 @@ class Engine:
         self.schedule = schedule
         self.batch_buckets, self.token_buckets = batch_buckets, token_buckets
         lc = LoopConfig(method=cfg.method, k=cfg.num_draft_tokens if cfg.method != "none" else 1,
-                        draft_sampling=cfg.draft_sampling, attn_impl=cfg.attn_impl,
-                        page_size=cfg.page_size, tree=tree)
+                        draft_sampling=cfg.draft_sampling and cfg.method != "ngram",
+                        attn_impl=cfg.attn_impl, page_size=cfg.page_size, tree=tree,
+                        ngram_min=cfg.ngram_min, ngram_max=cfg.ngram_max,
+                        hybrid_min=cfg.hybrid_min, adaptive=cfg.adaptive)
         self.k_eff = lc.k_eff  # most drafts one step accepts (the tree depth for trees)
         # A step adds at most k_eff + 1 tokens and writes at most `write_ahead` slots from n - 1.
         write_ahead = lc.extra_slots if self.k_eff else 1
@@ -268,7 +279,10 @@ class Engine:
         if num_pages < pages_per_seq:
             raise ValueError(f"num_pages {num_pages} cannot hold one sequence of max_model_len "
                              f"{cfg.max_model_len} (needs {pages_per_seq} pages of {cfg.page_size})")
-        self.sc = steps.StepConfig(lc=lc, num_slots=cfg.max_slots, pages_per_seq=pages_per_seq)
+        history_len = (pages_per_seq * cfg.page_size + token_buckets[-1] + 1) if lc.uses_history else 0
+        self.sc = steps.StepConfig(lc=lc, num_slots=cfg.max_slots, pages_per_seq=pages_per_seq,
+                                   history_len=history_len)
+        self._costs: dict = {}  # batch bucket -> [K+1] device array (adaptive k)
         self._draft_params = None if draft is None else draft.params
         self._draft_cfg = None if draft is None else draft.config
         self._state = steps.init_state(target.config, self._draft_cfg, self.sc, num_pages,
@@ -447,10 +461,28 @@ class Engine:
             d.update(start=row.start, tokens=row.tokens, final=row.final, next_token=row.next_token)
         return d
 
+    def _cost(self, batch: int):
+        """The adaptive cost model at this batch bucket (measured once, then cached)."""
+        if batch not in self._costs:
+            from specjax import adaptive  # noqa: PLC0415
+            costs = adaptive.measure_costs(
+                self.target.params, self.target.config, self._draft_params, self._draft_cfg,
+                method=self.config.method, kmax=self.k_eff, batch=batch,
+                context=min(self.config.max_model_len // 2, 256), dtype=self.target.dtype,
+                page_size=self.config.page_size, attn_impl=self.config.attn_impl)
+            self._costs[batch] = jax.device_put(np.asarray(costs, np.float32))
+        return self._costs[batch]
+
     def _call(self, kind: str, meta):
-        fn = steps.spec_decode_step if kind == "spec" else steps.extend_step
-        out = fn(self.target.params, self._draft_params, self._state, meta,
-                 target_cfg=self.target.config, draft_cfg=self._draft_cfg, sc=self.sc)
+        if kind == "spec":
+            extra = (self._cost(meta.shape[0]),) if self.config.adaptive else ()
+            out = steps.spec_decode_step(self.target.params, self._draft_params, self._state, meta,
+                                         *extra, target_cfg=self.target.config,
+                                         draft_cfg=self._draft_cfg, sc=self.sc)
+            self._state = out[0]
+            return out[1:]
+        out = steps.extend_step(self.target.params, self._draft_params, self._state, meta,
+                                target_cfg=self.target.config, draft_cfg=self._draft_cfg, sc=self.sc)
         self._state = out[0]
         return out[1:]
 
@@ -571,6 +603,8 @@ class Engine:
         s = self.metrics.snapshot(running=len(self.scheduler.running),
                                   waiting=len(self.scheduler.waiting) + self._submitted.qsize(),
                                   usage=self.allocator.usage)
+        if self._state.k_hist is not None:  # adaptive: speculative steps per chosen k
+            s["k_histogram"] = [int(c) for c in jax.device_get(self._state.k_hist)]
         s.update(method=self.config.method, schedule=self.schedule, num_draft_tokens=self.k_eff,
                  engine_steps=self.num_steps, host_time_s=self.host_time_s,
                  blocked_time_s=self.blocked_time_s, num_preemptions_total=self.scheduler.num_preemptions)
