@@ -31,6 +31,23 @@ them (the prefix is unmasked), accepts a root-to-node path of depth a (greedy or
 recursive rejection over siblings), moves the path's target K/V from tree-node slots into cache
 order (slot n-1+i <- slot n-1+node_i), and re-runs the head over the accepted path with the
 target's features exactly like the chain's shift: same invariants afterwards.
+
+Method "ngram" drafts without a model (specjax.ngram): each row's history x_0..x_{n-1} is kept in
+an on-device buffer, the tokens that followed the longest earlier match of its suffix are the
+point-mass drafts, rows without a match take an ordinary sample from p_0 (they accept nothing),
+and when no row matches the step is a plain one-token step (lax.cond) instead of the verify.
+With ``hybrid_min`` > 0 the draft/head methods use the n-gram proposal for rows with a match
+that long (a draft LLM then re-runs over every emitted token, since it never saw those drafts;
+heads re-run over the verified span anyway).
+
+``adaptive`` picks the step's k in {0..K} on device (specjax.adaptive) and runs that compiled
+variant through lax.switch; k = 0 is a plain step that keeps the drafter current (a draft LLM /
+head advanced over the new token without its lm_head; the carried logits are recomputed when
+the row next speculates, ``logits_stale``).
+
+Drafting is a function per method (``_DRAFTERS``: tokens, optional q, the drafter's cache);
+``_chain_step`` verifies and accepts whatever it proposes; ``_plain_step`` / ``_commit`` are
+shared by every path.
 """
 
 from __future__ import annotations
