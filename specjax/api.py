@@ -254,12 +254,12 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         model's eos_token_id; [] never stops early.
       draft_sampling: sample drafts from the draft distribution instead of taking its argmax.
       page_size: KV page size in tokens; attn_impl: "reference" or "pallas".
+      mesh: run tensor/data-parallel on a ``specjax.sharding.make_mesh(tp=..., dp=...)`` mesh
+        (or a ``sharding.ShardingPlan`` choosing the draft's placement); None: one device.
       tree: specjax.tree.TreeConfig for method "eagle-tree" (default: the EAGLE-2 dynamic tree,
         depth 4, top_k 4, 16 nodes); num_draft_tokens is ignored there.
       spec: a whole ``specjax.SpecConfig`` instead of method / num_draft_tokens / draft_sampling /
         tree / attn_impl / page_size (which must then keep their defaults).
-      mesh: run tensor/data-parallel on a ``specjax.sharding.make_mesh(tp=..., dp=...)`` mesh
-        (or a ``sharding.ShardingPlan`` choosing the draft's placement); None: one device.
     Returns:
       GenerateOutput with .tokens (list[list[int]]) and .stats (acceptance_rate,
       mean_accepted_length, per_position_acceptance, steps, tokens_per_second, host_syncs, ...).
