@@ -43,9 +43,9 @@ def main(argv=None) -> int:
     draft = None if args.method == "none" else drafts[args.method][0]
     buckets = tuple(int(x) for x in args.batch_buckets.split(",")) if args.batch_buckets else None
     eng = Engine(target, draft, EngineConfig(
-        method=args.method, num_draft_tokens=args.k, max_slots=args.slots, batch_buckets=buckets,
-        token_buckets=(tbucket,), max_model_len=max(map(len, prompts)) + args.max_tokens,
-        page_size=16, record_timeline=True))
+        sj.SpecConfig(method=args.method, num_draft_tokens=args.k, page_size=16),
+        max_slots=args.slots, batch_buckets=buckets, token_buckets=(tbucket,),
+        max_model_len=max(map(len, prompts)) + args.max_tokens, record_timeline=True))
     eng.warmup()
     params = RequestParams(max_tokens=args.max_tokens, stop_token_ids=())
     t0 = time.perf_counter()

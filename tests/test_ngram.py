@@ -148,10 +148,10 @@ def test_carried_draft_state_equals_teacher_forcing(tiny_pair, mode):
     fresh teacher-forced draft pass over the committed tokens, and the history buffer holds them."""
     target, draft = tiny_pair
     if mode == "hybrid":
-        lc = speculate.LoopConfig(method="draft", k=K, hybrid_min=1)
+        lc = sj.SpecConfig(method="draft", num_draft_tokens=K, hybrid_min=1)
         state, cost = _run_steps(target, draft, lc, 8), None
     else:
-        lc = speculate.LoopConfig(method="draft", k=K, adaptive=True)
+        lc = sj.SpecConfig(method="draft", num_draft_tokens=K, adaptive=True)
         cost = jnp.asarray([1.0, 1.2, 1.3, 1.4])  # k=3 first, then plain steps and probes
         state = _run_steps(target, draft, lc, 8, cost)
         assert int(state.k_hist[0]) > 0 and int(state.k_hist[1:].sum()) > 0
@@ -274,12 +274,14 @@ def test_choose_k_follows_acceptance_and_cost():
     (dict(method="draft", hybrid_min=-1), "hybrid_min"),
     (dict(method="draft", hybrid_min=5), "hybrid_min"),
     (dict(method="none", adaptive=True), "adaptive"),
-    (dict(method="ngram", adaptive=1), "adaptive"),
+    (dict(method="eagle-tree", adaptive=True), "adaptive"),
 ])
 def test_bad_settings_raise(tiny_pair, kw, match):
     target, draft = tiny_pair
     with pytest.raises(ValueError, match=match):
         sj.generate(target, [[1, 2]], draft=draft if kw["method"] == "draft" else None, **kw)
+    with pytest.raises(TypeError, match="adaptive"):
+        sj.generate(target, [[1, 2]], method="ngram", adaptive=1)
 
 
 def test_ngram_rejects_a_draft(tiny_pair):
@@ -303,8 +305,8 @@ def test_engine_ngram_and_adaptive_are_exact(tiny_pair, fixed_costs, kw):
     reqs = [(rng.integers(0, 8, int(rng.integers(2, 12))).tolist(), int(rng.integers(4, 17)))
             for _ in range(12)]
     engine = Engine(target, draft if kw["method"] == "draft" else None,
-                    EngineConfig(num_draft_tokens=K, max_slots=4, batch_buckets=(4,),
-                                 token_buckets=(8,), max_model_len=32, page_size=4, **kw))
+                    EngineConfig(sj.SpecConfig(num_draft_tokens=K, page_size=4, **kw), max_slots=4,
+                                 batch_buckets=(4,), token_buckets=(8,), max_model_len=32))
     handles = [engine.submit(p, RequestParams(max_tokens=m, stop_token_ids=())) for p, m in reqs]
     engine.run()
     for (p, m), h in zip(reqs, handles):
