@@ -439,6 +439,11 @@ class Engine:
         except BaseException as e:  # surfaced to waiting handles and stop()
             self._failure = e
 
+    @property
+    def failure(self) -> BaseException | None:
+        """The exception that stopped the background loop, or None."""
+        return self._failure
+
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
             raise RuntimeError("the engine loop failed") from self._failure
@@ -601,11 +606,19 @@ class Engine:
             jax.block_until_ready(outs)
         return len(vs)
 
+    def occupancy(self) -> dict:
+        """Current load, readable from any thread: requests running (holding a slot) and
+        waiting (queued or not yet drained), KV pages in use and in the pool."""
+        return {"num_requests_running": len(self.scheduler.running),
+                "num_requests_waiting": len(self.scheduler.waiting) + self._submitted.qsize(),
+                "kv_pages_in_use": self.allocator.num_used,
+                "kv_pages_total": self.allocator.num_pages}
+
     def stats(self) -> dict:
         """Metrics snapshot (see specjax.engine.metrics) plus the engine's own counters."""
-        s = self.metrics.snapshot(running=len(self.scheduler.running),
-                                  waiting=len(self.scheduler.waiting) + self._submitted.qsize(),
-                                  usage=self.allocator.usage)
+        occ = self.occupancy()
+        s = self.metrics.snapshot(running=occ["num_requests_running"],
+                                  waiting=occ["num_requests_waiting"], usage=self.allocator.usage)
         s.update(method=self.config.method, schedule=self.schedule, num_draft_tokens=self.k_eff,
                  engine_steps=self.num_steps, host_time_s=self.host_time_s,
                  blocked_time_s=self.blocked_time_s, num_preemptions_total=self.scheduler.num_preemptions)
