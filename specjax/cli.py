@@ -272,6 +272,7 @@ def cmd_serve(args) -> int:
         batch_buckets=_ints(args.batch_buckets), token_buckets=_ints(args.token_buckets),
         attn_impl=args.attn_impl, seed=args.seed)
     engine = Engine(target, draft, config)
+    serve_app.compile_counter()  # count from here: /health reports warm-up compiles too
     if args.warmup:
         t0 = time.perf_counter()
         n = engine.warmup()

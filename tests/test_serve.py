@@ -28,7 +28,7 @@ from tests.conftest import tiny_model  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "tiny"
-MAX_LEN = 128
+MAX_LEN = 512  # room for long requests that the client abandons mid-stream
 M = 24  # max_tokens of every compared greedy request (one sj.generate compile per prompt bucket)
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHARS = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ .,!?\n:'-")
@@ -317,7 +317,7 @@ async def _load(files, url, n, n_disconnect, n_bad, seed):
                       seed=int(rng.integers(0, 1000)),
                       extra_body={"top_k": int(rng.integers(0, 20))})
         if kind == "disconnect":
-            kw.update(max_tokens=100, extra_body={"ignore_eos": True})
+            kw.update(max_tokens=400, extra_body={"ignore_eos": True})
         if chat:
             stream = await client.chat.completions.create(
                 messages=[{"role": "user", "content": text}], **kw)
@@ -331,7 +331,7 @@ async def _load(files, url, n, n_disconnect, n_bad, seed):
                 continue
             parts.append((c.choices[0].delta.content or "") if chat else c.choices[0].text)
             reason = c.choices[0].finish_reason or reason
-            if kind == "disconnect" and len(parts) >= 3:
+            if kind == "disconnect" and len(parts) >= 2:
                 await stream.close()
                 report["disconnect"].append(len(parts))
                 return
@@ -369,18 +369,14 @@ def _check_load(files, url, n, n_disconnect, n_bad):
     after = health(url)
     assert after["kv_pages_in_use"] == 0 and after["requests_in_server"] == 0
     assert after["num_requests_running"] == after["num_requests_waiting"] == 0
-    assert after["compiles"] == before["compiles"]  # nothing compiled after warm-up
+    assert before["compiles"] > 0 and after["compiles"] == before["compiles"]  # none after warm-up
     assert stats(url)["request_finished_by_reason"]["abort"] - aborted0 == n_disconnect
 
 
-def test_load_small(files, server):
-    """16 concurrent streams (2 disconnect mid-stream, 2 malformed)."""
-    _check_load(files, server, 16, 2, 2)
-
-
-@pytest.mark.slow
-def test_load_64(files, server):
-    """64 concurrent streams (8 disconnect mid-stream, 8 malformed)."""
+def test_load_64_streams(files, server):
+    """64 concurrent streams with mixed sampling settings, 8 disconnecting mid-stream, 8
+    malformed: greedy ones exact, malformed ones 400, abandoned ones aborted with their pages
+    freed, /health answered throughout, nothing recompiled (~3 s on the tiny model)."""
     _check_load(files, server, 64, 8, 8)
 
 
