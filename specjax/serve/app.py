@@ -406,6 +406,9 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, max_queue: int = 6
                                         "created": created, "model": model_name, "choices": [],
                                         "usage": r.usage()})
                         yield "data: [DONE]\n\n"
+            except P.APIError as e:  # after the headers went out: the error is the last event
+                yield _sse(e.body())
+                yield "data: [DONE]\n\n"
             finally:
                 r.close()
 
