@@ -29,7 +29,9 @@ from tests.conftest import tiny_model  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "tiny"
 MAX_LEN = 512  # room for long requests that the client abandons mid-stream
-M = 24  # max_tokens of every compared greedy request (one sj.generate compile per prompt bucket)
+M = 24  # max_tokens of every compared greedy request
+# Compared prompts are 17..32 tokens (completion text of 17..30 characters, chat content of at most
+# 12): one sj.generate prompt bucket, so the references compile once.
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHARS = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ .,!?\n:'-")
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -117,6 +119,7 @@ _REFS = {}
 def reference(files, ids, max_tokens=M):
     """Greedy tokens of ``ids`` run alone with sj.generate (plain decoding, the model's EOS)."""
     key = (tuple(ids), max_tokens)
+    assert 17 <= len(ids) <= 32, len(ids)  # one prompt bucket: one compile
     if key not in _REFS:
         _REFS[key] = sj.generate(files["target"], [list(ids)], max_new_tokens=max_tokens).tokens[0]
     return _REFS[key]
@@ -143,7 +146,8 @@ def test_completions_and_chat_equal_generate(files, server, client):
     tok = files["tok"]
     before = stats(server)["generation_tokens_total"]
     reported = 0
-    for text in ("Hello there, how are", "What is the sky?"):
+    for text, short in (("Hello there, how are", "Hi there"),
+                        ("What colour is the sky?", "Sky colour?")):
         ids = tok.encode(text)
         want = reference(files, ids)
         res = client.completions.create(model=MODEL, prompt=text, max_tokens=M, temperature=0)
@@ -159,9 +163,9 @@ def test_completions_and_chat_equal_generate(files, server, client):
         assert len([c for c in chunks if c.choices]) <= len(want)  # one chunk per token batch
         reported += len(want)
 
-        cids = chat_ids(files, text)
+        cids = chat_ids(files, short)
         want = reference(files, cids)
-        msgs = [{"role": "user", "content": text}]
+        msgs = [{"role": "user", "content": short}]
         res = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=M, temperature=0)
         assert res.choices[0].message.content == tok.decode(want)
         assert res.choices[0].message.role == "assistant"
@@ -177,7 +181,7 @@ def test_completions_and_chat_equal_generate(files, server, client):
 
 def test_stop_strings_and_stop_token_ids(files, server, client):
     tok = files["tok"]
-    ids = tok.encode("Tell me a story")
+    ids = tok.encode("Tell me a story, please")
     want = reference(files, ids)
     text = tok.decode(want)
     # a stop string from the middle of the expected text: the text is cut before it
@@ -302,8 +306,8 @@ async def _load(files, url, n, n_disconnect, n_bad, seed):
 
     async def one(i, kind):
         await asyncio.sleep(float(rng.uniform(0, 1.0)))
-        text = "".join(rng.choice(CHARS[:52], int(rng.integers(3, 12))))
         chat = i % 3 == 0
+        text = "".join(rng.choice(CHARS[:52], int(rng.integers(3, 13) if chat else rng.integers(17, 31))))
         if kind == "bad":
             body = [{"model": MODEL, "prompt": text, "top_p": 2.0},
                     {"model": MODEL, "prompt": text, "max_tokens": "x"},
@@ -364,9 +368,12 @@ def _check_load(files, url, n, n_disconnect, n_bad):
     assert report["health"] and all(code == 200 for code, _ in report["health"])
     assert max(t for _, t in report["health"]) < 10  # answered while the engine was busy
     deadline = time.time() + 30
-    while time.time() < deadline and health(url)["requests_in_server"]:
-        time.sleep(0.2)  # aborts are applied at the engine's next step
-    after = health(url)
+    while time.time() < deadline:  # aborts are applied at the engine's next step
+        after = health(url)
+        if not (after["requests_in_server"] or after["num_requests_running"]
+                or after["num_requests_waiting"]):
+            break
+        time.sleep(0.2)
     assert after["kv_pages_in_use"] == 0 and after["requests_in_server"] == 0
     assert after["num_requests_running"] == after["num_requests_waiting"] == 0
     assert before["compiles"] > 0 and after["compiles"] == before["compiles"]  # none after warm-up
