@@ -254,6 +254,8 @@ def test_bad_requests_get_400_naming_the_field(server, body, path, param):
 
 def test_models_health_metrics(files, server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    client.completions.create(model=MODEL, prompt="abc", max_tokens=M, temperature=0,
+                              extra_body={"ignore_eos": True})  # speculative steps happened
     h = health(server)
     assert h["status"] == "ok" and h["kv_pages_in_use"] == 0 and h["kv_pages_total"] > 0
     text = httpx.get(server + "/metrics", timeout=30).text
