@@ -286,6 +286,24 @@ def test_models_health_metrics(files, server, client):
 # ----------------------------------------------------------------------------------- load
 
 
+def hang_up(url, chat, text, kw, after=2):
+    """Streams a long request with the (sync) openai client and closes the connection after
+    ``after`` chunks; returns the chunks read."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    if chat:
+        stream = client.chat.completions.create(messages=[{"role": "user", "content": text}], **kw)
+    else:
+        stream = client.completions.create(prompt=text, **kw)
+    n = 0
+    for c in stream:
+        n += bool(c.choices)
+        if n >= after:
+            break
+    stream.close()
+    client.close()
+    return n
+
+
 async def _load(files, url, n, n_disconnect, n_bad, seed):
     """n concurrent streaming requests: greedy / sampled / disconnecting / malformed; /health
     polled throughout. Returns a report dict."""
@@ -309,7 +327,8 @@ async def _load(files, url, n, n_disconnect, n_bad, seed):
     async def one(i, kind):
         await asyncio.sleep(float(rng.uniform(0, 1.0)))
         chat = i % 3 == 0
-        text = "".join(rng.choice(CHARS[:52], int(rng.integers(3, 13) if chat else rng.integers(17, 31))))
+        n_chars = int(rng.integers(3, 13) if chat else rng.integers(17, 31))
+        text = "".join(rng.choice(CHARS[:52], n_chars))
         if kind == "bad":
             body = [{"model": MODEL, "prompt": text, "top_p": 2.0},
                     {"model": MODEL, "prompt": text, "max_tokens": "x"},
@@ -322,8 +341,11 @@ async def _load(files, url, n, n_disconnect, n_bad, seed):
             kw.update(temperature=float(rng.uniform(0.3, 1.5)), top_p=float(rng.uniform(0.5, 1)),
                       seed=int(rng.integers(0, 1000)),
                       extra_body={"top_k": int(rng.integers(0, 20))})
-        if kind == "disconnect":
+        if kind == "disconnect":  # in a thread, so a busy event loop cannot delay the hang-up
             kw.update(max_tokens=400, extra_body={"ignore_eos": True})
+            got = await asyncio.to_thread(hang_up, url, chat, text, kw)
+            report["disconnect"].append(got)
+            return
         if chat:
             stream = await client.chat.completions.create(
                 messages=[{"role": "user", "content": text}], **kw)
@@ -337,10 +359,6 @@ async def _load(files, url, n, n_disconnect, n_bad, seed):
                 continue
             parts.append((c.choices[0].delta.content or "") if chat else c.choices[0].text)
             reason = c.choices[0].finish_reason or reason
-            if kind == "disconnect" and len(parts) >= 2:
-                await stream.close()
-                report["disconnect"].append(len(parts))
-                return
         report[kind].append((ids, "".join(parts), reason))
 
     poller = asyncio.create_task(poll())
@@ -361,7 +379,7 @@ def _check_load(files, url, n, n_disconnect, n_bad):
     wall = time.perf_counter() - t0
     assert wall < 600
     assert report["bad"] == [400] * n_bad
-    assert len(report["disconnect"]) == n_disconnect
+    assert report["disconnect"] == [2] * n_disconnect
     for ids, text, reason in report["greedy"]:
         want = reference(files, ids)
         assert text == tok.decode(want) and reason == ("stop" if want[-1] == 2 else "length")
