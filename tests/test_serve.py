@@ -460,19 +460,15 @@ def test_detokenizer_holds_back_stop_prefixes(files):
     assert d.add(ids[5:] + [2], "stop") == (" world, bye", "stop")  # EOS text dropped
 
 
-def test_adaptive_flag_passes_through_or_errors():
-    import dataclasses  # noqa: PLC0415
-
+def test_adaptive_flag_reaches_the_spec_config():
     from specjax import cli  # noqa: PLC0415
-    from specjax.engine import EngineConfig  # noqa: PLC0415
     from specjax.serve.app import make_engine_config  # noqa: PLC0415
 
-    if "adaptive" in {f.name for f in dataclasses.fields(EngineConfig)}:
-        assert make_engine_config(method="draft", num_draft_tokens=2, adaptive=True).adaptive
-    else:
-        with pytest.raises(ValueError, match="adaptive"):
-            make_engine_config(method="draft", num_draft_tokens=2, adaptive=True)
-        assert cli.main(["serve", "--adaptive"]) == 2
+    assert make_engine_config(method="draft", num_draft_tokens=2, adaptive=True).spec.adaptive
+    assert not make_engine_config(method="draft", num_draft_tokens=2).spec.adaptive
+    with pytest.raises(ValueError, match="adaptive"):
+        make_engine_config(method="none", num_draft_tokens=1, adaptive=True)
+    assert cli.main(["serve", "--adaptive", "--method", "none"]) == 2  # before loading anything
 
 
 # ------------------------------------------------------------------------------ real model

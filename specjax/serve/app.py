@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import math
 import time
@@ -37,6 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from specjax.config import SpecConfig
 from specjax.engine import Engine, EngineConfig, RequestParams
 from specjax.serve import protocol as P
 from specjax.serve.metrics import CompileCounter, make_registry
@@ -57,20 +57,16 @@ def make_engine_config(*, method: str, num_draft_tokens: int, adaptive: bool = F
                        page_size: int = 16, batch_buckets: tuple | None = None,
                        token_buckets: tuple = (16, 64), attn_impl: str = "reference",
                        seed: int = 0) -> EngineConfig:
-    """The one place the server builds an EngineConfig (speculation and capacity settings).
+    """The one place the server builds an EngineConfig (its SpecConfig and capacity settings).
 
-    Raises ValueError for ``adaptive`` when the engine has no adaptive speculation.
+    Raises ValueError (from SpecConfig) for an invalid speculation setting, e.g. ``adaptive``
+    without a speculative method.
     """
-    kw = dict(method=method, num_draft_tokens=num_draft_tokens, tree=tree, max_slots=max_slots,
-              max_model_len=max_model_len, num_pages=num_pages, page_size=page_size,
-              batch_buckets=batch_buckets, token_buckets=tuple(token_buckets),
-              attn_impl=attn_impl, seed=seed)
-    if adaptive:
-        if "adaptive" not in {f.name for f in dataclasses.fields(EngineConfig)}:
-            raise ValueError("--adaptive: this engine has no adaptive speculation "
-                             "(EngineConfig has no 'adaptive' field)")
-        kw["adaptive"] = True
-    return EngineConfig(**kw)
+    spec = SpecConfig(method=method, num_draft_tokens=num_draft_tokens, tree=tree,
+                      attn_impl=attn_impl, page_size=page_size, adaptive=adaptive)
+    return EngineConfig(spec=spec, max_slots=max_slots, max_model_len=max_model_len,
+                        num_pages=num_pages, batch_buckets=batch_buckets,
+                        token_buckets=tuple(token_buckets), seed=seed)
 
 
 # ---------------------------------------------------------------------------------- text
