@@ -1,7 +1,8 @@
 """Mixture-of-experts FFN: routing-agnostic grouped dispatch, expert parallelism, dense twin.
 
-Every MoE family (DeepSeek-V2/V3, Qwen3-MoE) routes its own way and hands this module the
-result: ``topk_ids`` [T, K] int32 expert ids and ``topk_weights`` [T, K] combine weights per
+Every MoE family (DeepSeek-V2/V3, Qwen3-MoE) routes its own way (``softmax_topk`` is the
+Qwen3-MoE / Mixtral rule; DeepSeek's grouped sigmoid routing stays in ``specjax.deepseek``) and
+hands this module the result: ``topk_ids`` [T, K] int32 expert ids and ``topk_weights`` [T, K] combine weights per
 token. The routed experts are SwiGLU MLPs with stacked weights (X experts, E model dim, F expert
 hidden)::
 
@@ -76,6 +77,26 @@ class ExpertParallel:
     @property
     def size(self) -> int:
         return self.mesh.shape[self.axis]
+
+
+# ------------------------------------------------------------------------------- routing
+
+def softmax_topk(router_logits, k: int, norm_topk_prob: bool = False):
+    """Qwen3-MoE / Mixtral routing: softmax over all experts in float32, the k largest kept.
+
+    Args:
+      router_logits: [T, X]; k: experts per token; norm_topk_prob: renormalise the k kept
+        probabilities to sum to 1 (Qwen3-MoE's flag).
+    Returns:
+      (topk_ids [T, k] int32, topk_weights [T, k] float32), ids by descending probability.
+    """
+    if not isinstance(k, int) or not 1 <= k <= router_logits.shape[-1]:
+        raise ValueError(f"k must be an int in [1, {router_logits.shape[-1]}], got {k!r}")
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, ids = lax.top_k(probs, k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return ids.astype(jnp.int32), weights
 
 
 # -------------------------------------------------------------------------------- checks

@@ -82,6 +82,24 @@ def test_grouped_detects_a_wrong_routing():
     assert np.abs(got - ref).max() > 1e-2
 
 
+@pytest.mark.parametrize("norm", [False, True])
+def test_softmax_topk_routing(norm):
+    from specjax import moe  # noqa: PLC0415
+
+    logits = np.random.RandomState(1).randn(T, X).astype(np.float32)
+    ids, w = (np.asarray(a) for a in moe.softmax_topk(logits, 3, norm_topk_prob=norm))
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    want_ids = np.argsort(-p, axis=1)[:, :3]
+    want_w = np.take_along_axis(p, want_ids, 1)
+    if norm:
+        want_w /= want_w.sum(1, keepdims=True)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(w, want_w, rtol=1e-5)
+    with pytest.raises(ValueError, match="k must be"):
+        moe.softmax_topk(logits, X + 1)
+
+
 def test_bad_shapes_are_rejected():
     from specjax import moe  # noqa: PLC0415
 
