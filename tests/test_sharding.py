@@ -238,6 +238,16 @@ def test_tp_must_divide_heads_and_mlp():
     with pytest.raises(ValueError, match="intermediate_size=100"):
         sharding.check_tp(_cfg(intermediate_size=100), 8)
     sharding.check_tp(smol_like, 3)
+    from specjax import deepseek  # noqa: PLC0415
+
+    ds = deepseek.DeepseekConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                 moe_intermediate_size=8, num_layers=2, num_heads=4,
+                                 kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                 v_head_dim=8)
+    with pytest.raises(ValueError, match="Llama-family.*DeepseekConfig.*deepseek.make_mesh"):
+        sharding.check_tp(ds, 2, "target")
+    with pytest.raises(ValueError, match="Llama-family"):
+        sharding.repeat_kv_heads({}, ds, 2)
 
 
 def test_plan_and_mesh_validation():

@@ -34,7 +34,8 @@ from specjax.sharding.distributed import barrier, initialize_distributed
 from specjax.sharding.dp_attention import ShardedAttention, pool_specs
 from specjax.sharding.hlo import Collective, collectives
 from specjax.sharding.programs import generate_device, logits, lower_generate, place_inputs
-from specjax.sharding.specs import (AXES, PLACEMENTS, ShardingPlan, as_plan, check_tp,
+from specjax.sharding.specs import (AXES, PLACEMENTS, ShardingPlan, as_plan, check_family,
+                                    check_tp,
                                     constrain_state, draft_kv_spec, draft_specs, head_specs,
                                     is_head, kv_heads_for, kv_spec, layer_specs, make_mesh,
                                     model_specs, place, prepare, put, repeat_kv_heads,
@@ -43,7 +44,7 @@ from specjax.sharding.specs import (AXES, PLACEMENTS, ShardingPlan, as_plan, che
 
 __all__ = [
     "AXES", "PLACEMENTS", "Collective", "ShardedAttention", "ShardingPlan", "as_plan", "barrier",
-    "check_tp", "collectives", "constrain_state", "draft_kv_spec", "draft_specs",
+    "check_family", "check_tp", "collectives", "constrain_state", "draft_kv_spec", "draft_specs",
     "generate_device", "head_specs", "initialize_distributed", "is_head", "kv_heads_for",
     "kv_spec", "layer_specs", "logits", "lower_generate", "make_mesh", "model_specs", "place",
     "place_inputs", "pool_specs", "prepare", "put", "repeat_kv_heads", "replicated_specs",

@@ -108,8 +108,21 @@ def as_plan(mesh_or_plan) -> ShardingPlan:
 
 # ------------------------------------------------------------------------------- partition specs
 
+def check_family(cfg, what: str = "model") -> None:
+    """Raises ValueError for a model this (dp, tp) layout cannot shard: Llama-family only."""
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(
+            f"specjax.sharding's (dp, tp) mesh shards Llama-family models (llama, mistral, qwen2, "
+            f"...); the {what} has a {type(cfg).__name__}. DeepSeek models shard on "
+            f"deepseek.make_mesh(tp=..., ep=...) with deepseek.param_specs / deepseek.shard (and "
+            f"deepseek.with_expert_parallel for all-to-all expert dispatch), then run sj.generate "
+            f"without mesh=")
+
+
 def check_tp(cfg: ModelConfig, tp: int, what: str = "model") -> None:
-    """Raises ValueError when ``tp`` cannot split this model's heads or MLP."""
+    """Raises ValueError when ``tp`` cannot split this model's heads or MLP (or the family is
+    not shardable here)."""
+    check_family(cfg, what)
     for field in ("num_heads", "intermediate_size"):
         size = getattr(cfg, field)
         if size % tp:
@@ -183,8 +196,7 @@ def repeat_kv_heads(params: dict, cfg: ModelConfig, tp: int):
     the KV heads its query heads read (Hkv' / tp of them) instead of all Hkv.
     Returns (params, cfg); unchanged when tp already divides Hkv.
     """
-    if not isinstance(cfg, ModelConfig):
-        raise TypeError(f"repeat_kv_heads needs a ModelConfig, got {type(cfg).__name__}")
+    check_family(cfg)
     hkv, d = cfg.num_kv_heads, cfg.head_dim
     new = kv_heads_for(hkv, tp)
     if new == hkv:
