@@ -113,6 +113,20 @@ def test_bad_shapes_are_rejected():
         moe.moe_ffn(x, ids, w, wg, wu, wd, impl="dense")
 
 
+def test_bench_moe_smoke():
+    """benchmarks/bench_moe.py on a tiny setting (so the script cannot rot)."""
+    import importlib.util  # noqa: PLC0415
+
+    path = os.path.join(os.path.dirname(HERE), "benchmarks", "bench_moe.py")
+    spec = importlib.util.spec_from_file_location("_bench_moe", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = mod.main(["--tokens", "5", "--experts", "8", "--hidden", "16", "--expert-hidden", "8",
+                  "--rounds", "1", "--iters", "1"])
+    assert r["max_abs_diff"] < 1e-5 and r["setting"]["impl"] == "tiled"
+    assert set(r["ms_per_call"]) == {"dense", "grouped"} and r["grouped_over_dense"] > 0
+
+
 # ------------------------------------------------------------------ expert parallel (8 devices)
 
 def _ep_check() -> str:
