@@ -3,9 +3,10 @@
 ``initialize_distributed`` joins a process to a multi-process JAX runtime (arguments from the
 environment by default); ``barrier`` waits for every process (``jax.experimental.multihost_utils
 .sync_global_devices``: a tiny collective over all devices). On CPU the first rendezvous of a
-collective times out when processes arrive far apart (gloo); raise it with XLA's
-``--xla_cpu_collective_timeout_seconds`` / ``--xla_cpu_collective_call_terminate_timeout_seconds``
-when compile times differ a lot between hosts.
+collective times out when processes arrive far apart (gloo, 30 s), the barrier's included; XLA's
+CPU collective timeout flags (``--xla_cpu_collective_timeout_seconds``; not verified here) are
+the knob when compile times differ by more between hosts. The private coordinator barrier the
+previous version used (``jax._src.distributed``) had no such limit.
 """
 
 from __future__ import annotations

@@ -94,7 +94,8 @@ def generate_device(plan: ShardingPlan, target_params, draft_params, tokens, pro
     if jax.process_count() == 1:
         return _generate_jit(*args, **static)
     # Several processes: compile, wait until every process has, then run. Compile times differ
-    # across hosts, and the collectives' first rendezvous (gloo on CPU) times out after 30 s.
+    # across hosts, and a collective's first rendezvous (gloo on CPU) times out after 30 s: the
+    # barrier's tiny collective absorbs the skew, so the long program's collectives start together.
     key = (tuple(sorted(static.items(), key=lambda kv: kv[0])), jax.tree.structure(args),
            tuple((a.shape, a.dtype, a.sharding) for a in jax.tree.leaves(args)))
     if key not in _COMPILED:
