@@ -29,9 +29,10 @@ Two grouped-matmul implementations compute the same thing:
 [i*X/ep, (i+1)*X/ep)); under ``jax.shard_map`` each device takes T/ep tokens, sends each
 assignment's row to the device owning its expert with one ``all_to_all``, runs the grouped FFN
 on what it received, and sends the results back with a second ``all_to_all``. The send buffer
-holds T/ep * K rows per destination: the worst case (every assignment of a device to one
-destination), so no token is ever dropped and the result equals one device's. Padding rows cost
-memory, not compute (the tiled loop skips them). An optional ``tp`` axis splits each expert's
+holds T/ep * K rows per destination by default: the worst case (every assignment of a device to
+one destination), so no token is ever dropped and the result equals one device's. Padding rows
+cost memory, not compute (the tiled loop skips them). ``ExpertParallel.capacity_factor`` trades
+that guarantee for smaller buffers (overflowing assignments are dropped; documented there). An optional ``tp`` axis splits each expert's
 hidden dim F (gate/up columns, down rows; one ``psum`` over tp).
 
 ``moe_dense_reference``: every expert on every token, weighted by the sparse combine matrix;
@@ -64,6 +65,11 @@ class ExpertParallel:
     mesh: Mesh
     axis: str = "ep"
     tp_axis: str | None = None
+    # None: each (source, destination) buffer holds the worst case (T/ep * K rows), exact. A
+    # float c: ceil(c * T/ep * K / ep) rows (c = 1: the mean load), smaller buffers and
+    # all-to-alls, but assignments past a full buffer are DROPPED (contribute 0), as in
+    # capacity-factor MoE training; exact only while no buffer overflows.
+    capacity_factor: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.mesh, Mesh):
@@ -73,6 +79,15 @@ class ExpertParallel:
         for what, ax in (("axis", self.axis), ("tp_axis", self.tp_axis)):
             if ax is not None and ax not in names:
                 raise ValueError(f"ExpertParallel.{what}={ax!r} is not an axis of the mesh {names}")
+        c = self.capacity_factor
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or c <= 0):
+            raise ValueError(f"ExpertParallel.capacity_factor must be None or a number > 0, got {c!r}")
+
+    def capacity(self, rows: int) -> int:
+        """Rows per (source, destination) buffer for ``rows`` = T/ep * K assignments per device."""
+        if self.capacity_factor is None:
+            return rows
+        return max(1, min(rows, math.ceil(self.capacity_factor * rows / self.size)))
 
     @property
     def size(self) -> int:
@@ -262,7 +277,7 @@ def moe_ffn_expert_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down,
         topk_ids = jnp.pad(topk_ids, ((0, pad), (0, 0)), constant_values=xg)
         topk_weights = jnp.pad(topk_weights, ((0, pad), (0, 0)))
     t_loc = (t + pad) // n
-    cap = t_loc * k  # rows per (source, destination): the worst case, nothing dropped
+    cap = ep.capacity(t_loc * k)  # rows per (source, destination); worst case by default
 
     def local(x, ids, wts, wg, wu, wd):  # x [t_loc, E]; ids, wts [t_loc, K]; wg [X/ep, E, F/tp]
         ids = ids.reshape(t_loc * k).astype(jnp.int32)
@@ -272,7 +287,8 @@ def moe_ffn_expert_parallel(x, topk_ids, topk_weights, w_gate, w_up, w_down,
         first = jnp.cumsum(counts) - counts  # [n+1] first sorted assignment per destination
         sd = dest[order]
         slot = jnp.arange(t_loc * k) - first[sd]  # position within its destination's buffer
-        flat = jnp.where(sd < n, sd * cap + slot, n * cap)  # n*cap: dropped (padding only)
+        # n*cap: not sent (padding tokens; and overflow only under a capacity_factor)
+        flat = jnp.where((sd < n) & (slot < cap), sd * cap + slot, n * cap)
         send_x = jnp.zeros((n * cap + 1, e), x.dtype).at[flat].set(jnp.take(x, order // k, 0))
         send_e = jnp.full((n * cap + 1,), x_loc_experts, jnp.int32).at[flat].set(
             ids[order] % x_loc_experts)

@@ -160,6 +160,18 @@ def _ep_check() -> str:
         hlo = run.lower(x, *routing("random"), wgs, wus, wds).compile().as_text()
         assert hlo.count("all-to-all") >= 3, "expected the dispatch / return all-to-alls"
         lines.append(f"ep={ep_size} tp={tp_size} {impl} max|d|={worst:.1e}")
+    # A capacity factor: exact while no buffer overflows (random routing, factor 4 on ep=8:
+    # room for 4x the mean load), tokens dropped (a difference) when the hot case overflows.
+    ep = moe.ExpertParallel(mesh, "ep", None, capacity_factor=4.0)
+    run = jax.jit(lambda *a: moe.moe_ffn(*a, expert_parallel=ep))
+    ids, w = routing("random")
+    np.testing.assert_allclose(np.asarray(run(x, ids, w, wgs, wus, wds)),
+                               np.asarray(one(x, ids, w, wg, wu, wd)), atol=2e-6, rtol=1e-5)
+    ids, w = routing("one_device")
+    dropped = np.abs(np.asarray(run(x, ids, w, wgs, wus, wds))
+                     - np.asarray(one(x, ids, w, wg, wu, wd))).max()
+    assert dropped > 1e-3, "an overflowing buffer must drop assignments"
+    lines.append(f"capacity_factor=4: exact on random routing, drops on overflow ({dropped:.2f})")
     return "OK " + "; ".join(lines)
 
 
