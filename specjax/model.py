@@ -114,6 +114,10 @@ def resolve_attention_core(attn_impl, cfg: ModelConfig):
     static, so the jit cache sees the choice."""
     if isinstance(attn_impl, str):
         return functools.partial(attention_core, attn_impl=attn_impl)
+    if not (isinstance(getattr(attn_impl, "impl", None), str)
+            and callable(getattr(attn_impl, "wrap", None))):
+        raise TypeError(f"attn_impl must be 'reference', 'pallas' or an implementation with .impl "
+                        f"and .wrap (specjax.sharding.ShardedAttention), got {attn_impl!r}")
     return attn_impl.wrap(functools.partial(attention_core, attn_impl=attn_impl.impl), cfg)
 
 
