@@ -5,8 +5,8 @@ environment by default); ``barrier`` waits for every process (``jax.experimental
 .sync_global_devices``: a tiny collective over all devices). On CPU the first rendezvous of a
 collective times out when processes arrive far apart (gloo, 30 s), the barrier's included; XLA's
 CPU collective timeout flags (``--xla_cpu_collective_timeout_seconds``; not verified here) are
-the knob when compile times differ by more between hosts. The private coordinator barrier the
-previous version used (``jax._src.distributed``) had no such limit.
+the knob when compile times differ by more between hosts. (The coordinator's own barrier has no
+such limit, but JAX exposes it only through private modules.)
 """
 
 from __future__ import annotations
