@@ -392,7 +392,7 @@ def _moe_tokens(lp, cfg: DeepseekConfig, x):
     """x: [N, E] -> [N, E]: routed experts (grouped dispatch, ``specjax.moe``) + shared experts."""
     w, idx = route(lp, cfg, x)
     out = moe_lib.moe_ffn(x, idx, w, lp["we_gate"], lp["we_up"], lp["we_down"],
-                      expert_parallel=cfg.expert_parallel)
+                          expert_parallel=cfg.expert_parallel)
     if "ws_gate" in lp:
         out = out + _mlp(x, lp["ws_gate"], lp["ws_up"], lp["ws_down"])
     return out
@@ -536,9 +536,9 @@ def with_expert_parallel(cfg: DeepseekConfig, mesh: Mesh) -> DeepseekConfig:
     weights placed by ``param_specs``; their hidden dim over tp when tp divides it). Without it a
     sharded model still runs, the SPMD partitioner gathering the expert weights."""
     tp = mesh.shape["tp"]
-    ep = moe_lib.ExpertParallel(mesh, "ep", "tp" if tp > 1 and cfg.moe_intermediate_size % tp == 0
-                            else None)
-    return dataclasses.replace(cfg, expert_parallel=ep)
+    split_f = tp > 1 and cfg.moe_intermediate_size % tp == 0  # as layer_specs places them
+    return dataclasses.replace(cfg, expert_parallel=moe_lib.ExpertParallel(
+        mesh, "ep", "tp" if split_f else None))
 
 
 def layer_specs(lp: dict, cfg: DeepseekConfig, tp: int, ep: int) -> dict:
