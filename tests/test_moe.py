@@ -113,6 +113,29 @@ def test_bad_shapes_are_rejected():
         moe.moe_ffn(x, ids, w, wg, wu, wd, impl="dense")
 
 
+def test_deepseek_uses_the_grouped_dispatch_and_its_ep_path():
+    """DeepSeek's MoE layer == its routing + the dense reference + shared experts, through the
+    grouped path and the expert-parallel path (a 1-device ep mesh); the placement is not saved."""
+    import jax  # noqa: PLC0415
+
+    from specjax import deepseek, moe  # noqa: PLC0415
+
+    cfg = deepseek.DeepseekConfig(
+        vocab_size=64, hidden_size=E, intermediate_size=24, moe_intermediate_size=F, num_layers=2,
+        num_heads=2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4,
+        n_routed_experts=X, num_experts_per_tok=3, n_group=4, topk_group=2)
+    lp = deepseek.init_layer(cfg, jax.random.key(0), moe_layer=True, scale=0.3)
+    x = _weights()[0][None]  # [1, T, E]
+    w, idx = deepseek.route(lp, cfg, x[0])
+    want = (moe.moe_dense_reference(x[0], idx, w, lp["we_gate"], lp["we_up"], lp["we_down"])
+            + deepseek._mlp(x[0], lp["ws_gate"], lp["ws_up"], lp["ws_down"]))
+    ep_cfg = deepseek.with_expert_parallel(cfg, deepseek.make_mesh())
+    for c in (cfg, ep_cfg):
+        got = jax.jit(deepseek.moe, static_argnums=1)(lp, c, x)[0]
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+    assert ep_cfg.to_dict() == cfg.to_dict() and ep_cfg != cfg
+
+
 def test_bench_moe_smoke():
     """benchmarks/bench_moe.py on a tiny setting (so the script cannot rot)."""
     import importlib.util  # noqa: PLC0415
