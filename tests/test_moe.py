@@ -126,9 +126,14 @@ def test_deepseek_uses_the_grouped_dispatch_and_its_ep_path():
         n_routed_experts=X, num_experts_per_tok=3, n_group=4, topk_group=2)
     lp = deepseek.init_layer(cfg, jax.random.key(0), moe_layer=True, scale=0.3)
     x = _weights()[0][None]  # [1, T, E]
-    w, idx = deepseek.route(lp, cfg, x[0])
-    want = (moe.moe_dense_reference(x[0], idx, w, lp["we_gate"], lp["we_up"], lp["we_down"])
-            + deepseek._mlp(x[0], lp["ws_gate"], lp["ws_up"], lp["ws_down"]))
+
+    @jax.jit
+    def reference(lp, x):
+        w, idx = deepseek.route(lp, cfg, x)
+        return (moe.moe_dense_reference(x, idx, w, lp["we_gate"], lp["we_up"], lp["we_down"])
+                + deepseek._mlp(x, lp["ws_gate"], lp["ws_up"], lp["ws_down"]))
+
+    want = reference(lp, x[0])
     ep_cfg = deepseek.with_expert_parallel(cfg, deepseek.make_mesh())
     for c in (cfg, ep_cfg):
         got = jax.jit(deepseek.moe, static_argnums=1)(lp, c, x)[0]
