@@ -91,6 +91,49 @@ def wait_idle(timeout_s: float, threshold: float = 0.05, quiet_s: float = 3.0) -
     return time.perf_counter() - start
 
 
+def interleaved_rounds(runs: dict, rounds: int = 3, wait_idle_s: float = 0.0) -> dict:
+    """Times compared runs fairly: one untimed warm-up call each (compilation), then ``rounds``
+    rounds, each calling every run once, in alternating order (forward, reversed, ...), so load
+    drift hits all runs alike.
+
+    Args:
+      runs: {name: zero-argument callable}; its last return value is kept.
+      rounds: timed rounds (>= 3 for a median with a spread).
+    Returns:
+      {name: {"wall_s": [rounds], "foreign_cpu": [rounds] (share of the CPUs other processes
+      used during the call, None where unknown), "result": the last return value}}.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    names = list(runs)
+    out = {n: {"wall_s": [], "foreign_cpu": [], "result": runs[n]()} for n in names}  # warm-up
+    for r in range(rounds):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            wait_idle(wait_idle_s)
+            with Timer() as t:
+                out[n]["result"] = runs[n]()
+            out[n]["wall_s"].append(t.wall)
+            out[n]["foreign_cpu"].append(t.foreign)
+    return out
+
+
+def spread(values) -> dict:
+    """Median, min and max of per-round values (a speedup's spread is its per-round ratios')."""
+    v = sorted(float(x) for x in values)
+    return {"median": float(statistics.median(v)), "min": v[0], "max": v[-1], "rounds": len(v)}
+
+
+def paired_speedup(base_wall: list, wall: list) -> dict:
+    """Per-round speedups base / run (rounds are interleaved, so each pair saw similar load)."""
+    return spread([b / w for b, w in zip(base_wall, wall)])
+
+
+def max_foreign(*results) -> float | None:
+    """Largest foreign CPU share seen by any of the given interleaved_rounds results."""
+    fc = [f for r in results for f in r["foreign_cpu"] if f is not None]
+    return max(fc) if fc else None
+
+
 def machine_info() -> dict:
     cpu = platform.processor()
     try:
@@ -147,8 +190,8 @@ def specjax_cases(target, n_new: int, drafts: dict, ks: dict) -> list[Case]:
             out = sj.generate(target, prompts, max_new_tokens=n_new, draft=draft, method=method,
                               num_draft_tokens=k, temperature=0.0, eos_token_id=[])
             s = out.stats
-            return out.tokens, {"row_steps": s["row_steps"],
-                                "accepted": (s["mean_accepted_length"] - 1) * s["row_steps"]}
+            return out.tokens, {"row_steps": s["row_steps"],  # tokens after each row's first
+                                "step_tokens": s["generated_tokens"] - len(prompts)}
         return run
 
     cases = [Case("specjax plain", "specjax", "plain", "-", 0, runner("none", None, 1))]
@@ -273,7 +316,7 @@ def measure(cases: list[Case], prompts: list, batch: int, repeats: int = 3, wait
             d["median_tokens_per_second"] = float(statistics.median(d["tokens_per_second"]))
             steps = sum(e.get("row_steps", 0) for e in d["extra"])
             if steps and c.k:
-                d["mean_accepted_length"] = 1 + sum(e["accepted"] for e in d["extra"]) / steps
+                d["mean_accepted_length"] = sum(e["step_tokens"] for e in d["extra"]) / steps
             fc = [f for f in d["foreign_cpu"] if f is not None]
             d["max_foreign_cpu"] = max(fc) if fc else None
             del d["extra"]
