@@ -355,11 +355,14 @@ def table(results: dict, batch: int) -> str:
     for label, res in results.items():
         b = 1 if label == "batch1" else batch
         hf_plain = res.get("HF plain", {}).get("median_tokens_per_second")
-        hf_assist = results["batch1"].get("HF assisted", {}).get("median_tokens_per_second")
+        assisted = results["batch1"].get("HF assisted", {})
+        hf_assist = assisted.get("median_tokens_per_second")
         for name, d in res.items():
             tps = d["median_tokens_per_second"]
             vs_plain = f"{tps / hf_plain:.2f}x" if hf_plain else "-"
-            vs_assist = (f"{tps / hf_assist:.2f}x" if hf_assist and d["k"] and b == 1 else "-")
+            # only against HF assisted with the *same* draft (a different draft is no comparison)
+            same_draft = d["k"] and d["draft"] == assisted.get("draft")
+            vs_assist = f"{tps / hf_assist:.2f}x" if hf_assist and same_draft and b == 1 else "-"
             mal = f"{d['mean_accepted_length']:.2f}" if "mean_accepted_length" in d else "-"
             fc = d.get("max_foreign_cpu")
             rows.append(f"| {b} | {d['engine']} | {d['method']} | {d['draft']} | {d['k'] or '-'} | "
