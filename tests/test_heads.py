@@ -138,20 +138,22 @@ def test_carried_draft_logits_equal_teacher_forcing(target, k):
 
 @pytest.fixture(scope="module")
 def dist_target():
-    return tiny_model(11, vocab=V, hidden=16, layers=2, heads=2, kv_heads=1, scale=1.0)
+    """Small vocabulary (exact enumeration), context-dependent enough that mimic heads accept
+    ~70% / ~33% of first / second drafts at temperature 0.8: full acceptance, then the bonus."""
+    return predictable_target(11, context=0.2, vocab=V, hidden=16, layers=2, heads=2, kv_heads=1,
+                              scale=1.0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("draft_sampling", [False, True], ids=["point_mass", "sampled_q"])
 def test_distribution_matches_target(dist_target, kind, draft_sampling):
     """k + 2 = 4 tokens per row: the bonus after a fully accepted step is in the sample."""
-    head = _head(dist_target, kind, seed=5, scale=1.0)
+    head = mimic_head(dist_target, kind, gain=1.0)
     out = sj.generate(dist_target, [PROMPT] * N_ROWS, max_new_tokens=4, draft=head, method=kind,
                       num_draft_tokens=2, temperature=0.8, top_p=0.95, eos_token_id=[],
                       draft_sampling=draft_sampling)
-    # random heads: >= 1% of 40k drafts accepted, so both accept and residual paths are exercised
-    assert 0.01 < out.stats["acceptance_rate"] < 0.99
-    assert out.stats["per_position_acceptance"][-1] > 0.002  # bonus after full acceptance
+    assert 0.05 < out.stats["acceptance_rate"] < 0.95  # accept and residual paths both exercised
+    assert out.stats["per_position_acceptance"][-1] > 0.1  # bonus after full acceptance
     assert _chi2_pvalue(cells_of(out.tokens, V), _exact_joint(dist_target, 0.8, 0, 0.95, n=4)) > ALPHA
 
 

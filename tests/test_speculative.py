@@ -135,11 +135,12 @@ def dist_pair():
     return target, draft
 
 
-def _exact_joint(target, temperature, top_k, top_p, n=3):
-    """P(x_1..x_n) of the target's own sampler after PROMPT, by enumeration over V^(n-1) prefixes."""
+def _exact_joint(target, temperature, top_k, top_p, n=3, prompt=PROMPT):
+    """P(x_1..x_n) of the target's own sampler after ``prompt``, by enumeration over V^(n-1)
+    prefixes."""
     v = target.config.vocab_size
     prefixes = list(itertools.product(range(v), repeat=n - 1))
-    logits = np.stack([sj.logits(target, PROMPT + list(p)) for p in prefixes])  # [M, T, V]
+    logits = np.stack([sj.logits(target, prompt + list(p)) for p in prefixes])  # [M, T, V]
     m = len(prefixes)
     probs = np.asarray(sampling.process_logits(
         jnp.asarray(logits[:, -n:]), jnp.full((m,), temperature, jnp.float32),
@@ -192,7 +193,7 @@ def test_distribution_matches_target(dist_pair, setting, draft_sampling):
     cells, out = _first_tokens(target, draft, draft_sampling=draft_sampling, **setting)
     p = _chi2_pvalue(cells, exact)
     assert 0.05 < out.stats["acceptance_rate"] < 0.95  # both accept and residual paths exercised
-    assert out.stats["per_position_acceptance"][-1] > 0.02  # bonus after full acceptance sampled
+    assert out.stats["per_position_acceptance"][-1] > 0.01  # bonus after full acceptance sampled
     assert p > ALPHA, p
 
 
