@@ -81,3 +81,19 @@ def test_kernels_section(gpu_check, tmp_path):
     stub.write_text("def main(out_dir, quick=False):\n    raise ValueError('boom')\n")
     with pytest.raises(RuntimeError, match="boom"):
         gpu_check.sec_kernels(str(tmp_path), True, 60, path=str(stub))
+
+
+def test_interleaved_rounds_alternate_and_pair_speedups():
+    """The benchmarks' timing protocol: warm-up, then rounds in alternating order; speedups are
+    per-round pairs (median, min, max)."""
+    from specjax import bench
+
+    order = []
+    runs = {name: (lambda name=name: order.append(name) or name) for name in ("plain", "spec")}
+    res = bench.interleaved_rounds(runs, rounds=3)
+    assert order == ["plain", "spec", "plain", "spec", "spec", "plain", "plain", "spec"]
+    assert all(len(r["wall_s"]) == len(r["foreign_cpu"]) == 3 for r in res.values())
+    sp = bench.paired_speedup([2.0, 4.0, 3.0], [1.0, 1.0, 2.0])
+    assert (sp["median"], sp["min"], sp["max"], sp["rounds"]) == (2.0, 1.5, 4.0, 3)
+    with pytest.raises(ValueError, match="rounds"):
+        bench.interleaved_rounds(runs, rounds=0)
