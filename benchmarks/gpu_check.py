@@ -337,8 +337,12 @@ def sec_smoke():
             checks[f"draft_k{k}_equals_plain"] = {"ok": o.tokens[0] == plain}
         o = sj.generate(t, [prompt], max_new_tokens=n, draft=t, method="draft", num_draft_tokens=3,
                         eos_token_id=[])
-        checks["self_draft_accepts_all"] = {"value": o.stats["mean_accepted_length"],
-                                            "ok": abs(o.stats["mean_accepted_length"] - 4.0) < 1e-6
+        # every draft accepted: n-1 tokens after the first in ceil((n-1)/4) steps (the last may
+        # be cut by max_new_tokens; its cut drafts are not counted)
+        want = (n - 1) / -(-(n - 1) // 4)
+        checks["self_draft_accepts_all"] = {"value": o.stats["mean_accepted_length"], "want": want,
+                                            "ok": abs(o.stats["mean_accepted_length"] - want) < 1e-6
+                                            and o.stats["per_position_acceptance"][0] == 1.0
                                             and o.tokens[0] == plain}
         hcfg = HeadConfig.for_target(t.config, "mtp")
         head = Head(init_head(hcfg, jax.random.key(2), scale=0.3), hcfg)
