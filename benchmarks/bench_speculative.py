@@ -11,6 +11,10 @@ target decode (T=1), target verify (T=k+1), draft step (T=1) and draft catch-up 
 The second model accounts for what the formula ignores on CPU: a T=k+1 verify costs more than a
 T=1 decode (skinny GEMMs are dearer than mat-vecs here).
 
+Timing (specjax.bench.interleaved_rounds): plain and every (draft, k) are warmed up once, then
+timed in ``--rounds`` rounds with the runs in alternating order; speedup = plain / speculative
+wall time per round, reported as median [min, max], with the largest foreign CPU share seen.
+
   python benchmarks/bench_speculative.py                      # early-exit drafts + self-draft
   python benchmarks/bench_speculative.py --draft checkpoints/smollm2-draft --ks 1,2,3,4
 """
@@ -21,18 +25,14 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 import specjax as sj
+from specjax import bench
 from specjax.bench import time_forward
-from specjax import kv_cache
-from specjax.model import forward
 from specjax.train.corpora import chat_prompts
 
 
@@ -40,15 +40,6 @@ def alpha_mle(per_pos: list[float]) -> float:
     """i.i.d. acceptance rate: accepted drafts / drafts examined (position i examined iff i-1 accepted)."""
     examined = 1.0 + sum(per_pos[:-1])
     return sum(per_pos) / examined if examined else 0.0
-
-
-def run_generate(target, prompts, draft, k, max_new, repeats):
-    method = "none" if draft is None else "draft"
-    kw = dict(max_new_tokens=max_new, draft=draft, method=method, num_draft_tokens=k, eos_token_id=[])
-    sj.generate(target, prompts, **kw)  # compile
-    outs = [sj.generate(target, prompts, **kw) for _ in range(repeats)]
-    tps = statistics.median(o.stats["tokens_per_second"] for o in outs)
-    return outs[-1], tps
 
 
 def main(argv=None):
@@ -61,7 +52,7 @@ def main(argv=None):
     ap.add_argument("--ks", default="1,2,4")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/speculative.json")
     args = ap.parse_args(argv)
 
@@ -79,13 +70,23 @@ def main(argv=None):
         drafts.append(("self-draft (target)", target))
 
     context = len(prompts[0]) + args.max_new_tokens // 2
-    plain, plain_tps = run_generate(target, prompts, None, 1, args.max_new_tokens, args.repeats)
+    kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=[])
+    runs = {"plain": lambda: sj.generate(target, prompts, **kw)}
+    for i, (name, draft) in enumerate(drafts):
+        for k in ks:
+            runs[(i, k)] = (lambda d=draft, k=k: sj.generate(target, prompts, draft=d, method="draft",
+                                                             num_draft_tokens=k, **kw))
+    res = bench.interleaved_rounds(runs, rounds=args.rounds)
+    plain = res["plain"]
+    n_tok = plain["result"].stats["generated_tokens"]
+    plain_tps = bench.spread([n_tok / w for w in plain["wall_s"]])
     t_dec = time_forward(target, 1, context)
     rows = []
-    for name, draft in drafts:
+    for i, (name, draft) in enumerate(drafts):
         d1, d2 = time_forward(draft, 1, context), time_forward(draft, 2, context)
         for k in ks:
-            out, tps = run_generate(target, prompts, draft, k, args.max_new_tokens, args.repeats)
+            r = res[(i, k)]
+            out = r["result"]
             s = out.stats
             a = alpha_mle(s["per_position_acceptance"])
             c = d1 / t_dec
@@ -93,27 +94,33 @@ def main(argv=None):
             t_ver = time_forward(target, k + 1, context)
             step_cost = (t_ver + (k - 1) * d1 + d2) / t_dec
             pred_cpu = s["mean_accepted_length"] / step_cost
-            rows.append(dict(draft=name, k=k, identical=out.tokens == plain.tokens,
+            sp = bench.paired_speedup(plain["wall_s"], r["wall_s"])
+            rows.append(dict(draft=name, k=k, identical=out.tokens == plain["result"].tokens,
                              mean_accepted_length=s["mean_accepted_length"], alpha=a, c=c,
-                             verify_over_decode=t_ver / t_dec, spec_tps=tps, plain_tps=plain_tps,
-                             speedup=tps / plain_tps, predicted_formula=pred_formula,
-                             predicted_cpu_model=pred_cpu,
+                             verify_over_decode=t_ver / t_dec,
+                             spec_tps=bench.spread([n_tok / w for w in r["wall_s"]]),
+                             plain_tps=plain_tps, speedup=sp, predicted_formula=pred_formula,
+                             predicted_cpu_model=pred_cpu, max_foreign_cpu=bench.max_foreign(plain, r),
                              per_position_acceptance=s["per_position_acceptance"]))
-            r = rows[-1]
-            print(f"{name:24s} k={k} len={r['mean_accepted_length']:.2f} a={a:.3f} c={c:.3f} "
-                  f"speedup={r['speedup']:.2f} pred={pred_formula:.2f}/{pred_cpu:.2f}", file=sys.stderr)
+            print(f"{name:24s} k={k} len={s['mean_accepted_length']:.2f} a={a:.3f} c={c:.3f} "
+                  f"speedup={sp['median']:.2f} pred={pred_formula:.2f}/{pred_cpu:.2f}", file=sys.stderr)
 
     head = ("| draft | k | identical | mean acc. len | alpha | c | verify/decode | plain tok/s | "
-            "spec tok/s | measured speedup | predicted (formula) | predicted (CPU model) |")
+            "spec tok/s | measured speedup (median [min, max]) | predicted (formula) | "
+            "predicted (CPU model) | max foreign CPU |")
     print(head)
-    print("|" + "---|" * 12)
+    print("|" + "---|" * 13)
     for r in rows:
+        sp, fc = r["speedup"], r["max_foreign_cpu"]
         print(f"| {r['draft']} | {r['k']} | {r['identical']} | {r['mean_accepted_length']:.2f} | "
-              f"{r['alpha']:.3f} | {r['c']:.3f} | {r['verify_over_decode']:.2f} | {r['plain_tps']:.1f} | "
-              f"{r['spec_tps']:.1f} | {r['speedup']:.2f}x | {r['predicted_formula']:.2f}x | "
-              f"{r['predicted_cpu_model']:.2f}x |")
-    meta = dict(command=" ".join(["python"] + sys.argv), machine=platform.platform(),
-                cpus=os.cpu_count(), jax=jax.__version__, batch=args.batch,
+              f"{r['alpha']:.3f} | {r['c']:.3f} | {r['verify_over_decode']:.2f} | "
+              f"{r['plain_tps']['median']:.1f} | {r['spec_tps']['median']:.1f} | "
+              f"{sp['median']:.2f}x [{sp['min']:.2f}, {sp['max']:.2f}] | "
+              f"{r['predicted_formula']:.2f}x | {r['predicted_cpu_model']:.2f}x | "
+              f"{'?' if fc is None else f'{100 * fc:.0f}%'} |")
+    meta = dict(command=" ".join(["python"] + sys.argv), machine=bench.machine_info(),
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rounds=args.rounds,
+                platform=platform.platform(), jax=jax.__version__, batch=args.batch,
                 max_new_tokens=args.max_new_tokens, target_decode_ms=t_dec * 1e3, rows=rows)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

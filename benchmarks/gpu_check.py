@@ -337,8 +337,12 @@ def sec_smoke():
             checks[f"draft_k{k}_equals_plain"] = {"ok": o.tokens[0] == plain}
         o = sj.generate(t, [prompt], max_new_tokens=n, draft=t, method="draft", num_draft_tokens=3,
                         eos_token_id=[])
-        checks["self_draft_accepts_all"] = {"value": o.stats["mean_accepted_length"],
-                                            "ok": abs(o.stats["mean_accepted_length"] - 4.0) < 1e-6
+        # every draft accepted: n-1 tokens after the first in ceil((n-1)/4) steps (the last may
+        # be cut by max_new_tokens; its cut drafts are not counted)
+        want = (n - 1) / -(-(n - 1) // 4)
+        checks["self_draft_accepts_all"] = {"value": o.stats["mean_accepted_length"], "want": want,
+                                            "ok": abs(o.stats["mean_accepted_length"] - want) < 1e-6
+                                            and o.stats["per_position_acceptance"][0] == 1.0
                                             and o.tokens[0] == plain}
         hcfg = HeadConfig.for_target(t.config, "mtp")
         head = Head(init_head(hcfg, jax.random.key(2), scale=0.3), hcfg)
@@ -386,16 +390,41 @@ def synthetic_model(shape: dict, key, dtype, out_scale: float = 1e-4):
     return Model(p, cfg, source="synthetic")
 
 
+def planted_good(vocab_size: int, alpha: float, key):
+    """[V] bool: the token ids on which ``with_acceptance``'s draft proposes correctly."""
+    import jax
+
+    return jax.random.uniform(key, (vocab_size,)) < alpha
+
+
+def planted_accept_length(good, prompts, n: int, k: int) -> float:
+    """Tokens per speculative row-step that greedy decoding of ``n`` tokens per prompt must
+    measure on the planted structure: from pending token t a step accepts the run of good ids
+    t, t+1, ... (at most k), then emits one more; the last step is cut at n tokens."""
+    good = [bool(g) for g in good]
+    v, steps = len(good), 0
+    for p in prompts:
+        last, emitted = (p[-1] + 1) % v, 1  # the prefill's token
+        while emitted < n:
+            a = 0
+            while a < k and good[(last + a) % v]:
+                a += 1
+            emitted += a + 1
+            last = (last + a + 1) % v
+            steps += 1
+    return len(prompts) * (n - 1) / steps
+
+
 def with_acceptance(draft, alpha: float, key):
     """The draft with embedding row x replaced by row x+1 for ids outside the 'good' set
-    (probability 1 - alpha each): there it proposes x+2, which the counting target rejects."""
-    import jax
+    (``planted_good``, probability alpha each): there it proposes x+2, which the counting target
+    rejects."""
     import jax.numpy as jnp
 
     from specjax.model import Model
 
     emb = draft.params["embed"]
-    bad = jax.random.uniform(key, (emb.shape[0],)) >= alpha
+    bad = ~planted_good(emb.shape[0], alpha, key)
     new = jnp.where(bad[:, None], jnp.roll(emb, -1, axis=0), emb)
     return Model(dict(draft.params, embed=new), draft.config, source=f"synthetic alpha={alpha}")
 
@@ -474,23 +503,26 @@ def sec_synthetic(sizes: Sizes, bw: float | None, report: Report):
         exp = [expect(p) for c in calls for p in c]
         counts = float(np.mean([a == b for t, e in zip(toks, exp) for a, b in zip(t, e)]))
         stats = [o[1] for o in outs if o[1] is not None]
-        mal = None
+        mal = planted = None
         if stats and method != "plain":
             steps = sum(s["row_steps"] for s in stats)
-            mal = 1 + sum((s["mean_accepted_length"] - 1) * s["row_steps"] for s in stats) / steps
+            mal = sum(s["mean_accepted_length"] * s["row_steps"] for s in stats) / steps
+            planted = planted_accept_length(planted_good(v, alpha, key_bad),
+                                            [p for c in calls for p in c], n, k)
         tps = ntok / wall
         rows.append({"name": name, "engine": engine, "method": method, "batch": batch,
                      "alpha": alpha, "k": k if method != "plain" else 0, "tokens_per_second": tps,
                      "wall_s": wall, "target_counts": counts, "mean_accepted_length": mal,
+                     "planted_accepted_length": planted,
                      "predicted_tokens_per_step": None if alpha is None else
                      (1 - alpha ** (k + 1)) / (1 - alpha),
                      "fraction_of_plain_roofline": tps / (roof1 * batch) if roof1 else None})
         print(f"  {name:40s} {tps:9.1f} tok/s  counts {counts:.3f}"
               + (f"  acc.len {mal:.2f}" if mal else ""), flush=True)
 
+    key_bad = jax.random.key(7)
     add("specjax plain", "specjax", "plain", 1, None, sj_fn(), [[p] for p in b1])
     add("HF plain", "hf", "plain", 1, None, hf_fn(), [[p] for p in b1])
-    key_bad = jax.random.key(7)
     for alpha in sizes.synth_alphas:
         draft = with_acceptance(draft0, alpha, key_bad)
         hf_d = hf_from_params(draft)

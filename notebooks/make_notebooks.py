@@ -67,7 +67,7 @@ print(f"loaded in {time.perf_counter() - t0:.1f}s:", target.config.num_layers, "
 plain = sj.generate(target, [prompt], max_new_tokens=MAX_NEW)          # compiles
 plain = sj.generate(target, [prompt], max_new_tokens=MAX_NEW)
 print(tok.decode(plain.tokens[0]))
-print(f"{plain.stats['tokens_per_second']:.1f} tokens/s, host syncs: {plain.stats['host_syncs']}")'''),
+print(f"{plain.stats['tokens_per_second']:.1f} tokens/s")'''),
         new_markdown_cell("## Speculative decoding with the shipped MTP head\nThe head reads the "
                           "target's last hidden state and the newest token and drafts `k` tokens; "
                           "greedy output must equal plain decoding exactly."),
@@ -78,7 +78,7 @@ spec = sj.generate(target, [prompt2], max_new_tokens=MAX_NEW, draft=head, method
 spec = sj.generate(target, [prompt2], max_new_tokens=MAX_NEW, draft=head, method="mtp", num_draft_tokens=2)
 print(tok.decode(spec.tokens[0]))
 print("identical to plain:", spec.tokens == plain2.tokens)
-for key in ("acceptance_rate", "mean_accepted_length", "per_position_acceptance", "steps", "tokens_per_second", "host_syncs"):
+for key in ("acceptance_rate", "mean_accepted_length", "per_position_acceptance", "steps", "tokens_per_second"):
     print(f"  {key:26s} {spec.stats[key]}")'''),
         new_markdown_cell("## Which draft tokens were accepted?\n`generate` returns aggregate "
                           "stats only (the loop runs on device). With greedy decoding and a draft "

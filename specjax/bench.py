@@ -93,6 +93,49 @@ def wait_idle(timeout_s: float, threshold: float = 0.05, quiet_s: float = 3.0) -
     return time.perf_counter() - start
 
 
+def interleaved_rounds(runs: dict, rounds: int = 3, wait_idle_s: float = 0.0) -> dict:
+    """Times compared runs fairly: one untimed warm-up call each (compilation), then ``rounds``
+    rounds, each calling every run once, in alternating order (forward, reversed, ...), so load
+    drift hits all runs alike.
+
+    Args:
+      runs: {name: zero-argument callable}; its last return value is kept.
+      rounds: timed rounds (>= 3 for a median with a spread).
+    Returns:
+      {name: {"wall_s": [rounds], "foreign_cpu": [rounds] (share of the CPUs other processes
+      used during the call, None where unknown), "result": the last return value}}.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    names = list(runs)
+    out = {n: {"wall_s": [], "foreign_cpu": [], "result": runs[n]()} for n in names}  # warm-up
+    for r in range(rounds):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            wait_idle(wait_idle_s)
+            with Timer() as t:
+                out[n]["result"] = runs[n]()
+            out[n]["wall_s"].append(t.wall)
+            out[n]["foreign_cpu"].append(t.foreign)
+    return out
+
+
+def spread(values) -> dict:
+    """Median, min and max of per-round values (a speedup's spread is its per-round ratios')."""
+    v = sorted(float(x) for x in values)
+    return {"median": float(statistics.median(v)), "min": v[0], "max": v[-1], "rounds": len(v)}
+
+
+def paired_speedup(base_wall: list, wall: list) -> dict:
+    """Per-round speedups base / run (rounds are interleaved, so each pair saw similar load)."""
+    return spread([b / w for b, w in zip(base_wall, wall)])
+
+
+def max_foreign(*results) -> float | None:
+    """Largest foreign CPU share seen by any of the given interleaved_rounds results."""
+    fc = [f for r in results for f in r["foreign_cpu"] if f is not None]
+    return max(fc) if fc else None
+
+
 def machine_info() -> dict:
     cpu = platform.processor()
     try:
@@ -151,8 +194,8 @@ def specjax_cases(target, n_new: int, drafts: dict, ks: dict, adaptive: bool = F
                               num_draft_tokens=k, temperature=0.0, eos_token_id=[],
                               adaptive=adapt)
             s = out.stats
-            extra = {"row_steps": s["row_steps"],
-                     "accepted": (s["mean_accepted_length"] - 1) * s["row_steps"]}
+            extra = {"row_steps": s["row_steps"],  # tokens after each row's first
+                     "step_tokens": s["generated_tokens"] - len(prompts)}
             if "k_histogram" in s:
                 extra["k_histogram"] = s["k_histogram"]
             return out.tokens, extra
@@ -283,7 +326,7 @@ def measure(cases: list[Case], prompts: list, batch: int, repeats: int = 3, wait
             d["median_tokens_per_second"] = float(statistics.median(d["tokens_per_second"]))
             steps = sum(e.get("row_steps", 0) for e in d["extra"])
             if steps and c.k:
-                d["mean_accepted_length"] = 1 + sum(e["accepted"] for e in d["extra"]) / steps
+                d["mean_accepted_length"] = sum(e["step_tokens"] for e in d["extra"]) / steps
             hists = [e["k_histogram"] for e in d["extra"] if "k_histogram" in e]
             if hists:  # adaptive: steps per chosen k, summed over the last round's calls
                 d["k_histogram"] = [int(sum(col)) for col in zip(*hists)]
@@ -325,11 +368,14 @@ def table(results: dict, batch: int) -> str:
     for label, res in results.items():
         b = 1 if label == "batch1" else batch
         hf_plain = res.get("HF plain", {}).get("median_tokens_per_second")
-        hf_assist = results["batch1"].get("HF assisted", {}).get("median_tokens_per_second")
+        assisted = results["batch1"].get("HF assisted", {})
+        hf_assist = assisted.get("median_tokens_per_second")
         for name, d in res.items():
             tps = d["median_tokens_per_second"]
             vs_plain = f"{tps / hf_plain:.2f}x" if hf_plain else "-"
-            vs_assist = (f"{tps / hf_assist:.2f}x" if hf_assist and d["k"] and b == 1 else "-")
+            # only against HF assisted with the *same* draft (a different draft is no comparison)
+            same_draft = d["k"] and d["draft"] == assisted.get("draft")
+            vs_assist = f"{tps / hf_assist:.2f}x" if hf_assist and same_draft and b == 1 else "-"
             mal = f"{d['mean_accepted_length']:.2f}" if "mean_accepted_length" in d else "-"
             fc = d.get("max_foreign_cpu")
             rows.append(f"| {b} | {d['engine']} | {d['method']} | {d['draft']} | {d['k'] or '-'} | "

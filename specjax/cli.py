@@ -228,7 +228,6 @@ def cmd_demo(args) -> int:
     print(f"plain tokens/s             {p['tokens_per_second']:.1f}")
     print(f"speculative tokens/s       {s['tokens_per_second']:.1f}")
     print(f"speedup                    {s['tokens_per_second'] / p['tokens_per_second']:.2f}x")
-    print(f"host syncs per generation  {s['host_syncs']}")
     a = adapt.stats
     print(f"\n--- adaptive speculation (k chosen on device each step in 0..{k_adapt}) ---")
     print(f"outputs identical to plain decoding: {plain.tokens == adapt.tokens}")

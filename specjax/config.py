@@ -1,4 +1,6 @@
-"""Frozen, hashable configs: the static arguments of every jitted function in specjax."""
+"""Frozen, hashable model, sampling and speculation configs (static jit arguments where they
+reach jitted code). Configs of one module live next to it (heads.HeadConfig, tree.TreeConfig,
+deepseek.DeepseekConfig, the engine's StepConfig)."""
 
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ class DecodeState:
     done: jax.Array  # [B] bool
     step: jax.Array  # [] int32 speculative steps taken
     row_keys: jax.Array  # [B] typed PRNG keys, one stream per row
-    accepted_per_pos: jax.Array  # [K] int32 active row-steps whose draft i was accepted
+    accepted_per_pos: jax.Array  # [K] int32 row-steps whose draft i was accepted *and emitted*
     row_steps: jax.Array  # [] int32 active row-steps (target verify passes per row)
     # n-gram drafting (SpecConfig.uses_history): x_0..x_{n-1} per row, slots >= n stale.
     history: jax.Array | None = None  # [B, L] int32
@@ -391,7 +391,9 @@ def _commit(state: DecodeState, rp: RowParams, a, y, emitted, *, drafted, **upda
     n = state.lengths
     out, num_out, done = _emit(state, emitted, a + 1, rp)
     kbuf = state.accepted_per_pos.shape[0]
-    accepted = jnp.sum((jnp.arange(kbuf)[None, :] < a[:, None]) & active[:, None], axis=0)
+    # Only drafts that were emitted count (EOS / max_new may cut accepted ones; inactive rows emit 0).
+    kept = jnp.minimum(a, num_out - state.num_out)
+    accepted = jnp.sum(jnp.arange(kbuf)[None, :] < kept[:, None], axis=0)
     new = dict(
         lengths=jnp.where(active, n + a + 1, n), last_token=jnp.where(active, y, state.last_token),
         out_tokens=out, num_out=num_out, done=done, step=state.step + 1,
@@ -588,7 +590,8 @@ def _tree_step(target_params, target_cfg, draft_params, draft_cfg, state: Decode
     h_a = jnp.take_along_axis(hh, a[:, None, None], axis=1)[:, 0]  # [B, E]
     new_logits = head_logits(h_a)
     out, num_out, done = _emit(state, emitted, a + 1, rp)
-    accepted = jnp.sum((jnp.arange(d_max)[None, :] < a[:, None]) & active[:, None], axis=0)
+    kept = jnp.minimum(a, num_out - state.num_out)  # emitted drafts only (see _commit)
+    accepted = jnp.sum(jnp.arange(d_max)[None, :] < kept[:, None], axis=0)
     return dataclasses.replace(
         state, target_kv=target_kv, draft_kv=new_draft_kv,
         lengths=jnp.where(active, n + a + 1, n),

@@ -27,27 +27,6 @@ def tiny_pair():
     return target, draft
 
 
-def count_host_reads(monkeypatch, fn):
-    """Calls fn once to compile, then again counting device->host reads (every host
-    materialisation of a jax Array goes through ArrayImpl._value). Returns (reads, fn's result)."""
-    from jax._src import array
-
-    fn()
-    orig = array.ArrayImpl._value
-    count = [0]
-
-    def counting(self):
-        count[0] += 1
-        return orig.fget(self)
-
-    monkeypatch.setattr(array.ArrayImpl, "_value", property(counting))
-    try:
-        out = fn()
-    finally:
-        monkeypatch.setattr(array.ArrayImpl, "_value", orig)
-    return count[0], out
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drops every compiled program after each test module. Each XLA:CPU executable keeps its
@@ -58,3 +37,54 @@ def _release_compiled_programs():
     import gc  # noqa: PLC0415
 
     gc.collect()
+
+
+# ------------------------------------------------- drafts with a controlled, high acceptance
+
+def noisy_copy(model: Model, noise: float, seed: int = 1) -> Model:
+    """A draft LLM: ``model`` with N(0, noise^2) added to every weight matrix. Its greedy drafts
+    agree with the target's most of the time, so steps accept anywhere from 0 to k drafts."""
+    leaves, treedef = jax.tree.flatten(model.params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [a + noise * jax.random.normal(k, a.shape, a.dtype) if a.ndim == 2 else a
+              for a, k in zip(leaves, keys)]
+    return Model(jax.tree.unflatten(treedef, leaves), model.config, source="noisy copy")
+
+
+def predictable_target(seed: int = 0, context: float = 0.1, **kw) -> Model:
+    """A tiny target whose next token depends mostly on the current one: every layer's output
+    projections (wo, w_down) are scaled by ``context``, so the residual stream is the token's
+    embedding plus a small context-dependent part (which a head seeing one token cannot know)."""
+    m = tiny_model(seed, **kw)
+    layers = [dict(lp, wo=context * lp["wo"], w_down=context * lp["w_down"])
+              for lp in m.params["layers"]]
+    return Model(dict(m.params, layers=layers), m.config)
+
+
+def mimic_head(target: Model, kind: str, gain: float = 0.3):
+    """An MTP / EAGLE head that approximately reproduces a ``predictable_target``: it passes the
+    token's embedding through (eh_proj = [gain * I; 0] for MTP, whose input is RMS-normalised;
+    [I; 0] for EAGLE) into a copy of the target's first layer, so its argmax usually equals the
+    target's next token and differs where the target's context matters."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from specjax.heads import Head, HeadConfig, init_head  # noqa: PLC0415
+
+    cfg = HeadConfig.for_target(target.config, kind)
+    params = init_head(cfg, jax.random.key(0))
+    e = target.config.hidden_size
+    g = gain if cfg.norms else 1.0 / gain  # EAGLE: raw embedding scaled to unit RMS
+    params["eh_proj"] = jnp.concatenate([g * jnp.eye(e), jnp.zeros((e, e))], axis=0)
+    layer = dict(target.params["layers"][0])
+    if not cfg.norms:  # no input norm: scale the residual writes like the (scaled) stream
+        layer = dict(layer, wo=g * layer["wo"], w_down=g * layer["w_down"])
+        del layer["attn_norm"]
+    params["layer"] = layer
+    return Head(params, cfg)
+
+
+def accept_length_counts(stats) -> list[int]:
+    """Row-steps that accepted exactly j drafts, j = 0..k, from generate's per-position stats."""
+    per_pos = [round(p * stats["row_steps"]) for p in stats["per_position_acceptance"]]
+    at_least = [stats["row_steps"]] + per_pos + [0]
+    return [at_least[j] - at_least[j + 1] for j in range(len(per_pos) + 1)]

@@ -1,10 +1,17 @@
-"""The public surface: clear errors for bad input, EOS handling, per-row streams."""
+"""The public surface: clear errors for bad input, EOS handling, per-row streams, and one device
+program per generation (no host callbacks in its HLO)."""
 
+import re
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import specjax as sj
-from tests.conftest import tiny_model
+from specjax import speculate
+from specjax.tree import TreeConfig
+from tests.conftest import mimic_head, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +146,49 @@ def test_numpy_scalars_accepted(model):
     out = sj.generate(model, [np.array([1, 2, 3])], max_new_tokens=np.int64(3),
                       temperature=np.float32(0.5), top_k=np.int64(5), eos_token_id=[])
     assert len(out.tokens[0]) == 3
+
+
+# Host round trips a compiled program can hold: Python callbacks (jax.debug.print, pure_callback,
+# io_callback lower to custom calls named *callback*), outfeed / infeed, send / recv.
+_HOST_OPS = re.compile(r"callback|outfeed|infeed|stablehlo\.send|stablehlo\.recv")
+
+
+class _Captured(Exception):
+    pass
+
+
+def _lowered_generate(monkeypatch, model, **kw) -> str:
+    """The StableHLO text of the one program sj.generate runs (lowered, not compiled or run)."""
+    seen = {}
+
+    def capture(*args, **kwargs):
+        seen.update(args=args, kwargs=kwargs)
+        raise _Captured
+
+    monkeypatch.setattr(speculate, "generate_device", capture)
+    with pytest.raises(_Captured):
+        sj.generate(model, [[1, 2, 3], [4]], max_new_tokens=4, eos_token_id=[], **kw)
+    monkeypatch.undo()
+    return speculate.generate_device.lower(*seen["args"], **seen["kwargs"]).as_text()
+
+
+@pytest.mark.parametrize("method", ["none", "draft", "mtp", "eagle-tree"])
+def test_generation_is_one_program_without_host_callbacks(model, monkeypatch, method):
+    """Prefill and the whole while_loop are one program with no host round trip inside, so the
+    only device->host transfer of a generation is the final read (stats no longer report a
+    'host_syncs' figure that was 1 by construction)."""
+    draft = {"none": None, "draft": model, "mtp": mimic_head(model, "mtp"),
+             "eagle-tree": mimic_head(model, "eagle")}[method]
+    tree = TreeConfig(depth=2, top_k=2, num_nodes=3) if method == "eagle-tree" else None
+    text = _lowered_generate(monkeypatch, model, draft=draft, method=method, tree=tree)
+    assert "stablehlo.while" in text
+    assert not _HOST_OPS.findall(text)
+
+
+def test_host_callback_detector_has_power():
+    """The same pattern finds the callback a stray jax.debug.print leaves in a program."""
+    text = jax.jit(lambda x: (jax.debug.print("x {}", x), x + 1)[1]).lower(jnp.ones(2)).as_text()
+    assert _HOST_OPS.findall(text)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

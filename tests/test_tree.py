@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax import heads, kv_cache, speculate, tree
+from specjax import heads, kv_cache, sampling, speculate, tree
 from specjax.config import SpecConfig
 from specjax.model import forward
 from specjax.sampling import categorical
 from specjax.tree import TreeConfig
-from tests.conftest import tiny_model
+from tests.conftest import (accept_length_counts, mimic_head, predictable_target, tiny_model)
 from tests.test_heads import _head as _random_head
-from tests.test_speculative import ALPHA, N_ROWS, PROMPT, PROMPTS, V, _chi2_pvalue, _exact_joint
+from tests.test_speculative import (ALPHA, N_ROWS, PROMPT, PROMPTS, V, _chi2_pvalue, _exact_joint,
+                                    cells_of, check_stats_agree)
 
 
 def _head(target, kind="eagle", seed=3, scale=0.3):
@@ -34,8 +35,19 @@ def target():
 
 
 @pytest.fixture(scope="module")
+def predictable():
+    """A target a one-token head can mostly predict (see conftest.predictable_target)."""
+    return predictable_target(0, context=0.05)
+
+
+@pytest.fixture(scope="module")
 def plain(target):
     return sj.generate(target, PROMPTS, max_new_tokens=30, eos_token_id=[]).tokens
+
+
+@pytest.fixture(scope="module")
+def plain_predictable(predictable):
+    return sj.generate(predictable, PROMPTS, max_new_tokens=30, eos_token_id=[]).tokens
 
 
 # ----------------------------------------------------------------------------- structure
@@ -245,22 +257,29 @@ FAST = {("eagle", "dynamic"), ("mtp", "dynamic_deep"), ("eagle", "static"), ("mt
 @pytest.mark.parametrize("kind,name", [
     pytest.param(kind, name, marks=() if (kind, name) in FAST else pytest.mark.slow)
     for kind in ("mtp", "eagle") for name in TREES])
-def test_greedy_lossless(target, plain, kind, name):
-    out = sj.generate(target, PROMPTS, max_new_tokens=30, draft=_head(target, kind),
-                      method="eagle-tree", tree=TREES[name], eos_token_id=[])
-    assert out.tokens == plain
-    assert len(out.stats["per_position_acceptance"]) == TREES[name].max_depth
+def test_greedy_lossless(predictable, plain_predictable, kind, name):
+    """Heads that mostly reproduce the target: paths of every depth 0..D are accepted (up to
+    depth 3), so the K/V compaction and head re-run after partial paths are exercised."""
+    tc = TREES[name]
+    out = sj.generate(predictable, PROMPTS, max_new_tokens=30, draft=mimic_head(predictable, kind),
+                      method="eagle-tree", tree=tc, eos_token_id=[])
+    assert out.tokens == plain_predictable
+    counts = accept_length_counts(out.stats)
+    assert len(counts) == tc.max_depth + 1
+    assert all(c > 0 for c in counts[:4]), counts
+    check_stats_agree(out, len(PROMPTS))
 
 
-def test_static_chain_tree_equals_chain_method(target):
+def test_static_chain_tree_equals_chain_method(predictable):
     """A static chain tree accepts exactly what the k-chain accepts (same head, greedy)."""
-    head = _head(target, "eagle")
-    t = sj.generate(target, PROMPTS, max_new_tokens=30, draft=head, method="eagle-tree",
+    head = mimic_head(predictable, "eagle")
+    t = sj.generate(predictable, PROMPTS, max_new_tokens=30, draft=head, method="eagle-tree",
                     tree=TREES["chain"], eos_token_id=[])
-    c = sj.generate(target, PROMPTS, max_new_tokens=30, draft=head, method="eagle",
+    c = sj.generate(predictable, PROMPTS, max_new_tokens=30, draft=head, method="eagle",
                     num_draft_tokens=3, eos_token_id=[])
     assert t.tokens == c.tokens
     assert t.stats["per_position_acceptance"] == pytest.approx(c.stats["per_position_acceptance"])
+    assert c.stats["per_position_acceptance"][1] > 0  # multi-token paths were compared
 
 
 @pytest.fixture(scope="module")
@@ -321,20 +340,72 @@ def test_kv_compaction_matches_fresh_prefill(small_vocab_target, tc, temperature
         np.testing.assert_allclose(state.head_hidden[i], hh[i, n[i] - 2], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("tc", [TreeConfig(kind="static", parents=(0, 0, 0, 1, 1, 2)),
-                                TreeConfig(depth=2, top_k=3, num_nodes=6)],
-                         ids=["static", "dynamic"])
-def test_distribution_matches_target(small_vocab_target, tc):
-    """Three tokens per row from the fused tree loop at temperature 0.8 / top-p 0.95 are
-    distributed as the target's own sampler (several children per node, chi-square at ALPHA)."""
-    target = small_vocab_target
-    head = _head(target, "mtp", seed=5, scale=1.0)
-    out = sj.generate(target, [PROMPT] * N_ROWS, max_new_tokens=3, draft=head,
-                      method="eagle-tree", tree=tc, temperature=0.8, top_p=0.95, eos_token_id=[])
-    toks = np.array(out.tokens)
+V4 = 4  # the depth-3 case samples 5 tokens: 4^5 cells keep the chi-square test dense
+PROMPT4 = [3, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def dist_targets():
+    """Small-vocabulary targets that mimic heads predict often enough that full-depth paths, and
+    so the bonus token, are sampled in thousands of rows (measured per-depth acceptance at
+    temperature 0.8: [0.82, 0.53] for the depth-2 static tree, [0.54, 0.25, 0.09] for depth 3)."""
+    kw = dict(context=0.2, hidden=16, layers=2, heads=2, kv_heads=1, scale=1.0)
+    return predictable_target(11, vocab=V, **kw), predictable_target(13, vocab=V4, **kw)
+
+
+DEPTH2 = TreeConfig(kind="static", parents=(0, 0, 0, 1, 1, 2))
+DEPTH3 = TreeConfig(depth=3, top_k=2, num_nodes=6)
+
+
+def _tree_tokens(target, tc, prompt):
+    """depth + 2 tokens per row at temperature 0.8 / top-p 0.95: the bonus after a full-depth
+    path is in the sample."""
+    out = sj.generate(target, [prompt] * N_ROWS, max_new_tokens=tc.max_depth + 2,
+                      draft=mimic_head(target, "mtp", gain=1.0), method="eagle-tree", tree=tc,
+                      temperature=0.8, top_p=0.95, eos_token_id=[])
+    return cells_of(out.tokens, target.config.vocab_size), out
+
+
+@pytest.mark.parametrize("case", ["static_depth2", "dynamic_depth3"])
+def test_distribution_matches_target(dist_targets, case):
+    """Tokens from the fused tree loop are distributed as the target's own sampler (several
+    children per node, chi-square at ALPHA), the bonus after full-depth paths included."""
+    (target, tc, prompt) = {"static_depth2": (dist_targets[0], DEPTH2, PROMPT),
+                            "dynamic_depth3": (dist_targets[1], DEPTH3, PROMPT4)}[case]
+    cells, out = _tree_tokens(target, tc, prompt)
     assert 0.05 < out.stats["acceptance_rate"] < 0.95
-    cells = toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2]
-    assert _chi2_pvalue(cells, _exact_joint(target, 0.8, 0, 0.95)) > ALPHA
+    assert out.stats["per_position_acceptance"][-1] > 0.05  # full-depth paths, then the bonus
+    expected = _exact_joint(target, 0.8, 0, 0.95, n=tc.max_depth + 2, prompt=prompt)
+    assert _chi2_pvalue(cells, expected) > ALPHA
+
+
+_TRUE_ACCEPT_TREE = tree.accept_tree
+
+
+def _biased_tree_bonus(keys, tokens, parents, depth, target_probs=None, target_logits=None, *,
+                       max_depth):
+    """A bug on the point-mass path: after a full-depth path the bonus comes from the root's p."""
+    a, y, path = _TRUE_ACCEPT_TREE(keys, tokens, parents, depth, target_probs, target_logits,
+                                   max_depth=max_depth)
+    if target_probs is None:
+        return a, y, path
+    wrong = sampling.sample(jax.vmap(lambda k: jax.random.fold_in(k, 99))(keys), target_probs[:, 0])
+    return a, jnp.where(a == max_depth, wrong, y), path
+
+
+def test_biased_tree_bonus_fails_distribution_test(dist_targets, monkeypatch):
+    """The depth-3 test has power over the bonus token: a wrong bonus distribution is rejected."""
+    target = dist_targets[1]
+    monkeypatch.setattr(tree, "accept_tree", _biased_tree_bonus)
+    jax.clear_caches()
+    try:
+        cells, _ = _tree_tokens(target, DEPTH3, PROMPT4)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    expected = _exact_joint(target, 0.8, 0, 0.95, n=5, prompt=PROMPT4)
+    impossible = np.isin(cells, np.nonzero(expected == 0)[0]).sum()  # bonus outside top-p
+    assert impossible > 0 or _chi2_pvalue(cells, expected) < ALPHA
 
 
 def test_generate_rejects_bad_tree_arguments(target):

@@ -2,7 +2,7 @@
 
 Both models' caches have the same number of pages P and page size S, so one page id names the
 same token range in the target pool *and* the draft pool: one allocation, one page table, serves
-the pair (SPEC.md section 2). The allocator only hands out ids; the device never sees it.
+the pair. The allocator only hands out ids; the device never sees it.
 
 Pages are taken from a LIFO free list (recently freed pages are reused first, which keeps the
 working set small) and every page has exactly one owner, so a double free or a foreign free is

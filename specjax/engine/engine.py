@@ -12,8 +12,8 @@ Usage::
     ...; engine.stop()
 
 One ``step()`` = plan the next batch on the host, dispatch its device step (JAX returns at once:
-async dispatch), and read back the results of an earlier step. The two schedules of SPEC.md
-section 6 differ in where the one blocking read sits:
+async dispatch), and read back the results of an earlier step. The two schedules differ in
+where the one blocking read sits:
 
 * ``"sync"`` (draft-target): plan step t+1 while step t runs on the device (the plan uses
   upper-bound lengths), then block on step t's accepted tokens (the one host sync per step),
@@ -514,16 +514,15 @@ class Engine:
             req.inflight_growth -= row.growth
             if plan.kind == "spec":
                 count = int(host[1][i])
-                emitted = host[0][i, :count].tolist()
-                self.metrics.observe_spec(count - 1)
+                kept = self._append(req, host[0][i, :count].tolist(), now)
+                # count only what reached the request (its stop / max_tokens may cut drafts)
+                self.metrics.observe_spec(min(count - 1, kept), kept)
             elif row.commit:
-                emitted = [int(host[0][i])]
-            else:
-                continue
-            self._append(req, emitted, now)
+                self._append(req, [int(host[0][i])], now)
         return now - t
 
-    def _append(self, req: Request, tokens: list, now: float) -> None:
+    def _append(self, req: Request, tokens: list, now: float) -> int:
+        """Appends tokens up to the request's stop / max_tokens; returns how many it kept."""
         new, reason = [], None
         for tok in tokens:
             req.output.append(tok)
@@ -555,6 +554,7 @@ class Engine:
                 m.observe("time_per_output_token_seconds",
                           (now - req.first_token_at) / (len(req.output) - 1))
         self._outbox.append((req, new, reason))
+        return len(new)
 
     def _deliver(self) -> None:
         outbox, self._outbox = self._outbox, []

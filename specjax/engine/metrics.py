@@ -5,10 +5,12 @@ Counters and histograms are plain Python (host side, updated when a step's resul
 (``vllm:`` prefix dropped) with SGLang's aliases where they differ:
 
 * speculation: ``spec_decode_num_drafts`` (row-steps that speculated), ``spec_decode_num_draft_tokens``,
-  ``spec_decode_num_accepted_tokens``, ``spec_decode_num_accepted_tokens_per_pos``; derived
-  ``acceptance_rate`` = accepted / draft tokens, ``mean_accepted_length`` (SGLang
-  ``spec_accept_length``) = 1 + accepted / drafts (tokens emitted per speculative row-step), and
-  ``per_position_acceptance`` [K] = accepted at position i / drafts.
+  ``spec_decode_num_accepted_tokens``, ``spec_decode_num_accepted_tokens_per_pos``,
+  ``spec_decode_num_emitted_tokens``, all counted from the tokens a request actually received
+  (accepted drafts cut by its stop or max_tokens do not count); derived ``acceptance_rate`` =
+  accepted / draft tokens, ``mean_accepted_length`` (SGLang ``spec_accept_length``) = emitted /
+  drafts (tokens received per speculative row-step; 1 + accepted / drafts unless a step was cut),
+  and ``per_position_acceptance`` [K] = accepted at position i / drafts.
 * latency histograms (seconds; mean/p50/p90/p99/count): ``time_to_first_token_seconds``,
   ``inter_token_latency_seconds`` (one sample per step in which a request received tokens, as in
   vLLM v1; speculative steps deliver several tokens at once), ``time_per_output_token_seconds``
@@ -53,6 +55,7 @@ class EngineMetrics:
         self.spec_decode_num_drafts = 0
         self.spec_decode_num_draft_tokens = 0
         self.spec_decode_num_accepted_tokens = 0
+        self.spec_decode_num_emitted_tokens = 0
         self.spec_decode_num_accepted_tokens_per_pos = [0] * self.k
         self.generation_tokens_total = 0
         self.prompt_tokens_total = 0
@@ -63,10 +66,12 @@ class EngineMetrics:
         self.first_arrival = None
         self.last_token_time = None
 
-    def observe_spec(self, num_accepted: int) -> None:
-        """One speculative row-step that accepted ``num_accepted`` of k drafts."""
+    def observe_spec(self, num_accepted: int, num_emitted: int) -> None:
+        """One speculative row-step that emitted ``num_emitted`` tokens, ``num_accepted`` of them
+        drafts (accepted drafts cut by a stop or max_tokens are not counted)."""
         self.spec_decode_num_drafts += 1
         self.spec_decode_num_draft_tokens += self.k
+        self.spec_decode_num_emitted_tokens += num_emitted
         self.spec_decode_num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             self.spec_decode_num_accepted_tokens_per_pos[i] += 1
@@ -85,8 +90,10 @@ class EngineMetrics:
             "spec_decode_num_draft_tokens": self.spec_decode_num_draft_tokens,
             "spec_decode_num_accepted_tokens": accepted,
             "spec_decode_num_accepted_tokens_per_pos": list(self.spec_decode_num_accepted_tokens_per_pos),
+            "spec_decode_num_emitted_tokens": self.spec_decode_num_emitted_tokens,
             "acceptance_rate": accepted / self.spec_decode_num_draft_tokens if drafts else float("nan"),
-            "mean_accepted_length": 1.0 + accepted / drafts if drafts else float("nan"),
+            "mean_accepted_length": self.spec_decode_num_emitted_tokens / drafts if drafts
+            else float("nan"),
             "per_position_acceptance": [a / drafts for a in self.spec_decode_num_accepted_tokens_per_pos]
             if drafts else [],
             "generation_tokens_total": self.generation_tokens_total,

@@ -1,6 +1,7 @@
 """Continuous-batching scheduler: admission, chunked prefill, page allocation ahead, preemption.
 
-Pure host code (no jax). Every request that holds a slot is either PREFILL (its prompt, or its
+Host code (it never calls into jax; it imports only the step kinds from
+specjax.engine.steps). Every request that holds a slot is either PREFILL (its prompt, or its
 prompt plus the tokens generated before a preemption, is being written in chunks) or DECODE (the
 device holds its state). Each ``schedule()`` call plans one device step:
 

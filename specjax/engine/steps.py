@@ -6,7 +6,7 @@ Between steps a decoding slot satisfies ``specjax.speculate``'s invariant (n = l
 committed tokens, x_{n-1} = last_token[slot] not yet in the target cache, the draft's carried
 logits / head hidden state for position n). Lengths live on the device, so a step can be
 dispatched before the host has read how many drafts the previous one accepted (the one-token
-MTP schedule of SPEC.md section 6).
+MTP schedule: see specjax.engine.engine, "async").
 
 Every step takes one int32 metadata buffer ``meta [B, W]`` (B = a static batch bucket), packed on
 the host (``pack``) and copied to the device in one transfer. Row layout (``COL_*``)::

@@ -1,4 +1,6 @@
-"""Model file readers (GGUF)."""
+"""Model and draft file readers and writers: GGUF (re-exported here), transformers directories
+(``hf``), DeepSeek state dicts (``deepseek_hf``), draft heads (``heads_io``) and specjax
+checkpoints (``checkpoint``)."""
 
 from specjax.io.gguf import (
     SMOLLM2_GGUF_NAME,

@@ -21,7 +21,8 @@ Three formats:
       model.layers.{N}.{input_layernorm, self_attn.*, post_attention_layernorm, mlp.*}.weight
       (model.layers.{N}.embed_tokens.weight, .shared_head.head.weight)  # target's: not loaded
 
-  Our heads use a dense Llama MLP (DeepSeek-V3's MTP block is MoE + MLA; those are not supported).
+  These readers/writers cover heads with a dense Llama block; a DeepSeek-V3 MTP block (MLA + MoE)
+  is read with the DeepSeek target by ``specjax.io.deepseek_hf.mtp_head_from_hf``.
 * **Ours**: orbax params + ``specjax_config.json`` (``kind="head"``, the HeadConfig in ``extra``).
 
 Torch Linear weights are [out, in]; specjax stores [in, out], so every projection is transposed.

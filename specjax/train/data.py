@@ -2,8 +2,8 @@
 
 Stage 1 (``build_corpus``): chat prompts from the *train* split of the Wikipedia intros, answered
 by the target itself (self-distillation, as EAGLE does: no chat corpus exists offline), plus wiki
-extracts framed as assistant answers and Python-docs-free plain text. Written as JSONL shards of
-token ids; finished shards are skipped on restart.
+extracts framed as assistant answers to "Tell me about <title>."-style prompts. Written as JSONL
+shards of token ids; finished shards are skipped on restart.
 
 Stage 2 (``collect_hidden``): the target's *inference* forward (specjax.model.forward, the same
 code that serves) over every sequence; stores tokens, lengths and pre-norm final hidden states

@@ -54,33 +54,37 @@ def held_out_eval(loss_fn, trainable, frozen, work: str, tc: trainer.TrainConfig
 
 
 def acceptance_eval(target, tok, draft, method: str, ks=(1, 3), num_prompts: int = 8,
-                    max_new_tokens: int = 96):
+                    max_new_tokens: int = 96, rounds: int = 3):
     """Mean accepted length and speedup by actually running speculative decoding (greedy) on
-    held-out chat prompts, plain decoding timed in the same run."""
+    held-out chat prompts. Timing (specjax.bench.interleaved_rounds): a pass runs every prompt
+    once at batch 1; plain and each k are warmed up, then timed in ``rounds`` interleaved rounds.
+    ``speedup`` is the median per-round plain / speculative ratio, ``speedup_spread`` its median,
+    min and max, ``max_foreign_cpu`` the largest CPU share other processes used meanwhile."""
     import specjax as sj  # noqa: PLC0415
+    from specjax import bench  # noqa: PLC0415
     from specjax.train.corpora import chat_prompts  # noqa: PLC0415
 
     prompts = [tok.apply_chat_template(m) for m in chat_prompts("held_out", limit=num_prompts)]
-    res = {}
     kw = dict(max_new_tokens=max_new_tokens, eos_token_id=[])
-    for p in prompts[:1]:  # compile
-        sj.generate(target, [p], **kw)
-    plain_t = 0.0
-    plain_tokens = []
-    for p in prompts:
-        o = sj.generate(target, [p], **kw)
-        plain_t += o.stats["wall_time_s"]
-        plain_tokens.append(o.tokens[0])
+
+    def one_pass(**extra):
+        return [sj.generate(target, [p], **kw, **extra) for p in prompts]
+
+    runs = {"plain": one_pass}
+    runs.update({k: (lambda k=k: one_pass(draft=draft, method=method, num_draft_tokens=k))
+                 for k in ks})
+    timed = bench.interleaved_rounds(runs, rounds=rounds)
+    plain = timed["plain"]
+    want = [o.tokens[0] for o in plain["result"]]
+    res = {}
     for k in ks:
-        sj.generate(target, prompts[:1], draft=draft, method=method, num_draft_tokens=k, **kw)
-        t, lens, same = 0.0, [], True
-        for p, want in zip(prompts, plain_tokens):
-            o = sj.generate(target, [p], draft=draft, method=method, num_draft_tokens=k, **kw)
-            t += o.stats["wall_time_s"]
-            lens.append(o.stats["mean_accepted_length"])
-            same &= o.tokens[0] == want
-        res[f"k={k}"] = {"mean_accepted_length": float(np.mean(lens)), "speedup": plain_t / t,
-                         "identical_to_plain": bool(same)}
+        outs = timed[k]["result"]
+        sp = bench.paired_speedup(plain["wall_s"], timed[k]["wall_s"])
+        res[f"k={k}"] = {"mean_accepted_length": float(np.mean([o.stats["mean_accepted_length"]
+                                                                 for o in outs])),
+                         "speedup": sp["median"], "speedup_spread": sp,
+                         "max_foreign_cpu": bench.max_foreign(plain, timed[k]),
+                         "identical_to_plain": [o.tokens[0] for o in outs] == want}
     return res
 
 
