@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.tree_attention import ancestor_mask  # noqa: F401 - the one mask builder
 from specjax.sampling import categorical
 
 KINDS = ("dynamic", "static")
@@ -147,22 +148,6 @@ def root_to_leaf_paths(parents):
             path.append(int(par[path[-1]]))
         paths.append(path[::-1])
     return paths
-
-
-def ancestor_mask(parents):
-    """[B, M] parent indices (root entries -1, ``parents[:, j] < j``) -> [B, M, M] bool mask:
-    ``mask[b, i, j]`` iff j is i or an ancestor of i."""
-    b, m = parents.shape
-    eye = jnp.eye(m, dtype=bool)
-
-    def row(par):
-        def body(j, mask):
-            p = par[j]
-            inherited = jnp.where(p >= 0, mask[jnp.maximum(p, 0)], False)
-            return mask.at[j].set(inherited | eye[j])
-        return lax.fori_loop(0, m, body, jnp.zeros((m, m), bool))
-
-    return jax.vmap(row)(parents)
 
 
 def _take(x, idx):
