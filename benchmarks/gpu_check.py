@@ -662,8 +662,7 @@ def sec_smollm2(sizes: Sizes, explicit: str | None, report: Report):
 
     import specjax as sj
     from specjax import bench
-    from specjax.cli import best_shipped, repo_checkpoints
-    from specjax.io.checkpoint import is_checkpoint
+    from specjax import shipped
 
     if sizes.smol_tiny:
         target = _tiny_model(0, jax.numpy.float32, vocab_size=512)
@@ -678,20 +677,18 @@ def sec_smollm2(sizes: Sizes, explicit: str | None, report: Report):
         with open(PROMPTS_FILE) as f:
             prompts = json.load(f)["token_ids"]
     drafts, ks = {}, {}
-    ck = repo_checkpoints()
-    if not sizes.smol_tiny and is_checkpoint(os.path.join(ck, "smollm2-draft")):
-        drafts["draft"] = (sj.load_draft(os.path.join(ck, "smollm2-draft"), target=target),
-                           "checkpoints/smollm2-draft")
-        ks["draft"] = 3
+    # The tiny stand-in has source="tiny": no shipped draft applies to it.
+    trained = shipped.load_best(target, "draft")
+    if trained is not None:
+        drafts["draft"], ks["draft"] = trained, 3
     else:
-        drafts["draft"] = (sj.early_exit_draft(target, 2 if not sizes.smol_tiny else 1),
-                           "early-exit 2 layers")
-        ks["draft"] = 1
-    for method, name in (("mtp", best_shipped("mtp") or "smollm2-mtp"), ("eagle", "smollm2-eagle")):
-        if not sizes.smol_tiny and is_checkpoint(os.path.join(ck, name)):
-            drafts[method] = (sj.load_draft(os.path.join(ck, name), target=target),
-                              f"checkpoints/{name}")
-            ks[method] = 1
+        layers = 1 if sizes.smol_tiny else 2
+        drafts["draft"], ks["draft"] = (sj.early_exit_draft(target, layers),
+                                        f"early-exit {layers} layers"), 1
+    for method in ("mtp", "eagle"):
+        head = shipped.load_best(target, method)
+        if head is not None:
+            drafts[method], ks[method] = head, 1
     torch.backends.cuda.matmul.allow_tf32 = False
     with jax.default_matmul_precision("highest"):
         rep = bench.run(target, prompts, num_prompts=sizes.smol_prompts,

@@ -446,10 +446,10 @@ def add_arguments(p, *, max_new_tokens=32, num_prompts=4, batch=4, repeats=2, ou
                         "checkpoints/smollm2-draft if present, else an early-exit draft)")
     p.add_argument("--early-exit-layers", type=int, default=2,
                    help="layers of the early-exit fallback draft (the target's first n layers)")
-    p.add_argument("--mtp", default="auto", help="MTP head path, 'auto' (checkpoints/smollm2-mtp-v8k, else "
-                                                  "smollm2-mtp) or 'none'")
-    p.add_argument("--eagle", default="auto", help="EAGLE head path, 'auto' "
-                                                    "(checkpoints/smollm2-eagle) or 'none'")
+    p.add_argument("--mtp", default="auto", help="MTP head path, 'auto' (the best shipped MTP head, "
+                                                  "see specjax.shipped) or 'none'")
+    p.add_argument("--eagle", default="auto", help="EAGLE head path, 'auto' (the shipped "
+                                                    "EAGLE head) or 'none'")
     p.add_argument("--k-draft", type=int, default=None,
                    help="draft length for the draft LLM, same for HF assisted (default: 1 for the "
                         "untrained early-exit draft, 3 for a trained one)")
@@ -478,24 +478,22 @@ def add_arguments(p, *, max_new_tokens=32, num_prompts=4, batch=4, repeats=2, ou
     p.add_argument("--no-progress", dest="progress", action="store_false")
 
 
-def _resolve_head(target, arg: str, name: str):
+def _resolve_head(target, arg: str, kind: str):
+    """--mtp / --eagle: "none", "auto" (the best shipped head of ``kind``, if any) or a path."""
     import specjax as sj  # noqa: PLC0415
-    from specjax.cli import repo_checkpoints  # noqa: PLC0415
-    from specjax.io.checkpoint import is_checkpoint  # noqa: PLC0415
+    from specjax import shipped  # noqa: PLC0415
 
     if arg == "none":
         return None
-    path = os.path.join(repo_checkpoints(), name) if arg == "auto" else arg
-    if arg == "auto" and (target.source != "smollm2-135m" or not is_checkpoint(path)):
-        return None
-    return sj.load_draft(path, target=target), (f"checkpoints/{name}" if arg == "auto" else arg)
+    if arg == "auto":
+        return shipped.load_best(target, kind)
+    return sj.load_draft(arg, target=target), arg
 
 
 def run_from_args(args) -> dict:
     """Loads the target, drafts and prompts named by ``args`` and runs the comparison."""
     import specjax as sj  # noqa: PLC0415
-    from specjax.cli import repo_checkpoints  # noqa: PLC0415
-    from specjax.io.checkpoint import is_checkpoint  # noqa: PLC0415
+    from specjax import shipped  # noqa: PLC0415
 
     if args.hf:
         import torch  # noqa: PLC0415
@@ -503,23 +501,18 @@ def run_from_args(args) -> dict:
     target = sj.load_model(args.model)
     tok = sj.load_tokenizer(args.tokenizer or args.model)
     drafts, ks = {}, {}
-    shipped = os.path.join(repo_checkpoints(), "smollm2-draft")
+    best_draft = None if args.draft else shipped.load_best(target, "draft")
     if args.draft:
         drafts["draft"] = (sj.load_draft(args.draft, target=target), args.draft)
-        trained = True
-    elif target.source == "smollm2-135m" and is_checkpoint(shipped):
-        drafts["draft"] = (sj.load_draft(shipped, target=target), "checkpoints/smollm2-draft")
-        trained = True
+    elif best_draft is not None:
+        drafts["draft"] = best_draft
     else:
         n = args.early_exit_layers
         drafts["draft"] = (sj.early_exit_draft(target, n), f"early-exit {n} layers")
-        trained = False
+    trained = bool(args.draft) or best_draft is not None
     ks["draft"] = args.k_draft or (3 if trained else 1)
-    from specjax.cli import best_shipped  # noqa: PLC0415
-
-    for method, arg, name, k in (("mtp", args.mtp, best_shipped("mtp") or "smollm2-mtp", args.k_mtp),
-                                 ("eagle", args.eagle, "smollm2-eagle", args.k_eagle)):
-        head = _resolve_head(target, arg, name)
+    for method, arg, k in (("mtp", args.mtp, args.k_mtp), ("eagle", args.eagle, args.k_eagle)):
+        head = _resolve_head(target, arg, method)
         if head is not None:
             drafts[method], ks[method] = head, k
     from specjax.train.corpora import chat_prompts  # noqa: PLC0415

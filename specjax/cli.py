@@ -19,14 +19,6 @@ DEMO_PROMPTS = (
 )
 
 
-def repo_checkpoints() -> str:
-    """The repository's checkpoints/ folder (shipped drafts; present in a source checkout)."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")
-
-
-_repo_checkpoints = repo_checkpoints
-
-
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -48,41 +40,9 @@ def _write_json(obj, dest: str | None) -> None:
         _log(f"wrote {dest}")
 
 
-SHIPPED = (("smollm2-mtp-v8k", "mtp"), ("smollm2-mtp", "mtp"), ("smollm2-eagle", "eagle"),
-           ("smollm2-draft", "draft"))
-
-
-def best_shipped(kind: str) -> str | None:
-    """Name of the first (best) shipped checkpoint of ``kind`` present in checkpoints/."""
-    from specjax.io.checkpoint import is_checkpoint  # noqa: PLC0415
-
-    return next((name for name, k in SHIPPED
-                 if k == kind and is_checkpoint(os.path.join(repo_checkpoints(), name))), None)
-
-
-def default_draft(target, method: str | None = None, layers: int = 8):
-    """The best shipped draft for SmolLM2 (MTP head, EAGLE head, distilled draft LLM, in that
-    order; restricted to ``method`` if given), else an untrained early-exit draft.
-
-    Returns (draft, description, method).
-    """
-    import specjax as sj  # noqa: PLC0415
-    from specjax.io.checkpoint import is_checkpoint  # noqa: PLC0415
-
-    if target.source == "smollm2-135m":
-        for name, kind in SHIPPED:
-            path = os.path.join(_repo_checkpoints(), name)
-            tree_ok = method == "eagle-tree" and kind in ("mtp", "eagle")  # any head drafts trees
-            if (method in (None, kind) or tree_ok) and is_checkpoint(path):
-                return (sj.load_draft(path, target=target), f"checkpoints/{name}",
-                        method if tree_ok else kind)
-    if method in (None, "draft"):
-        return sj.early_exit_draft(target, layers), f"early-exit draft (first {layers} layers)", "draft"
-    raise ValueError(f"no shipped {method!r} draft for {target.source!r}: pass --draft PATH")
-
-
 def _load(args):
     import specjax as sj  # noqa: PLC0415
+    from specjax import shipped  # noqa: PLC0415
 
     t0 = time.perf_counter()
     target = sj.load_model(args.model)
@@ -93,7 +53,7 @@ def _load(args):
             draft, draft_name = sj.load_draft(args.draft, target=target), args.draft
             args.method = args.method or ("draft" if isinstance(draft, sj.Model) else draft.config.kind)
         else:
-            draft, draft_name, args.method = default_draft(target, args.method)
+            draft, draft_name, args.method = shipped.default_draft(target, args.method)
     if args.k is None:
         args.k = 1 if args.method == "mtp" else 4
     args.draft_name = draft_name

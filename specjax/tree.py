@@ -43,6 +43,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.tree_attention import ancestor_mask  # noqa: F401 - the one mask builder
+from specjax import kv_cache
 from specjax.sampling import categorical
 
 KINDS = ("dynamic", "static")
@@ -346,18 +347,9 @@ def copy_slots(kv, page_table, base, src, count):
     """
     _, num_pages, s, _ = kv.k[0].shape
     length = src.shape[1]
-    pmax = page_table.shape[1]
     i = jnp.arange(length, dtype=jnp.int32)[None, :]
-
-    def locate(slots):  # [B, L] -> (page [B, L], offset [B, L]); unmapped pages -> num_pages
-        pidx = slots // s
-        ok = (slots >= 0) & (pidx < pmax)
-        page = jnp.take_along_axis(page_table, jnp.clip(pidx, 0, pmax - 1), axis=1)
-        ok = ok & (page >= 0) & (page < num_pages)
-        return jnp.where(ok, page, num_pages), slots % s
-
-    src_page, src_off = locate(base[:, None] + src)
-    dst_page, dst_off = locate(base[:, None] + i)
+    src_page, src_off = kv_cache.locate_slots(page_table, base[:, None] + src, num_pages, s)
+    dst_page, dst_off = kv_cache.locate_slots(page_table, base[:, None] + i, num_pages, s)
     move = (i < count[:, None]) & (src != i)
     dst_page = jnp.where(move, dst_page, num_pages)  # not moved -> dropped write
     src_page = jnp.minimum(src_page, num_pages - 1)
