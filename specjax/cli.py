@@ -280,12 +280,7 @@ def _save_hf_tokenizer(name: str, out: str) -> None:
         tok = sj.load_tokenizer(name)
     except Exception:  # noqa: BLE001 - a draft checkpoint has no tokenizer of its own
         return
-    tok.backend.save(os.path.join(out, "tokenizer.json"))
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", **tok.special_tokens_map}
-    if tok.chat_template:
-        cfg["chat_template"] = tok.chat_template
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
+    tok.save(out)
 
 
 def _train_common(p):
