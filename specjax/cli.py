@@ -308,8 +308,14 @@ def _train_common(p):
 
 
 def _prepare_training(args):
+    import logging  # noqa: PLC0415
+
     import specjax as sj  # noqa: PLC0415
     from specjax.train import pipeline, trainer  # noqa: PLC0415
+
+    # Stage and resume messages of the training pipeline go to stderr, timestamped.
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
 
     target = sj.load_model(args.model)
     tok = sj.load_tokenizer(args.model)
