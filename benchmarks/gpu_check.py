@@ -282,20 +282,9 @@ def hf_from_params(model, torch_dtype=None):
 
 
 def hf_generate(hf, prompts, n_new, **kw):
-    import torch
+    from specjax.bench import hf_generate as generate
 
-    dev = next(hf.parameters()).device
-    lmax = max(len(p) for p in prompts)
-    ids = np.zeros((len(prompts), lmax), np.int64)
-    mask = np.zeros((len(prompts), lmax), np.int64)
-    for i, p in enumerate(prompts):
-        ids[i, lmax - len(p):] = p
-        mask[i, lmax - len(p):] = 1
-    with torch.inference_mode():
-        out = hf.generate(torch.from_numpy(ids).to(dev), attention_mask=torch.from_numpy(mask).to(dev),
-                          max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                          eos_token_id=None, pad_token_id=0, **kw)
-    return out[:, lmax:].tolist()
+    return generate(hf, prompts, n_new, pad=0, **kw)
 
 
 def set_assistant(hd, k):

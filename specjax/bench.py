@@ -167,12 +167,30 @@ def _hf_model(path: str, device: str = "cpu"):
     return m
 
 
+def hf_generate(hf, prompts: list, n_new: int, pad: int = 0, **kw) -> list[list[int]]:
+    """Greedy HF ``generate`` of exactly ``n_new`` tokens per prompt (EOS off), the prompts
+    left-padded with ``pad`` under an attention mask, on the model's device; ``kw`` go to
+    ``generate`` (assistant_model, prompt_lookup_num_tokens, ...). Returns the new tokens."""
+    import torch  # noqa: PLC0415
+
+    dev = next(hf.parameters()).device
+    lmax = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), lmax), pad, np.int64)
+    mask = np.zeros((len(prompts), lmax), np.int64)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, lmax - len(p):] = p
+        mask[i, lmax - len(p):] = 1
+    with torch.inference_mode():
+        out = hf.generate(torch.from_numpy(ids).to(dev), attention_mask=torch.from_numpy(mask).to(dev),
+                          max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+                          eos_token_id=None, pad_token_id=pad, **kw)
+    return out[:, lmax:].tolist()
+
+
 def hf_cases(target, n_new: int, draft=None, draft_desc: str = "-", k: int = 2,
              prompt_lookup_k: int = 0, work: str | None = None, device: str = "cpu") -> list[Case]:
     """HF plain (+ assisted with ``draft`` converted to HF, + prompt lookup) on ``target``'s
     exact weights: both are written as HF directories (float32 safetensors) under ``work``."""
-    import torch  # noqa: PLC0415
-
     from specjax.io.hf import save_hf_dir  # noqa: PLC0415
 
     work = work or tempfile.mkdtemp(prefix="specjax-bench-")
@@ -182,18 +200,7 @@ def hf_cases(target, n_new: int, draft=None, draft_desc: str = "-", k: int = 2,
     pad = target.config.eos_token_id if isinstance(target.config.eos_token_id, int) else 0
 
     def gen(prompts, **kw):
-        lmax = max(len(p) for p in prompts)
-        ids = np.full((len(prompts), lmax), pad, np.int64)
-        mask = np.zeros((len(prompts), lmax), np.int64)
-        for i, p in enumerate(prompts):  # left padding
-            ids[i, lmax - len(p):] = p
-            mask[i, lmax - len(p):] = 1
-        with torch.inference_mode():
-            out = hf.generate(torch.from_numpy(ids).to(device),
-                              attention_mask=torch.from_numpy(mask).to(device),
-                              max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                              eos_token_id=None, pad_token_id=pad, **kw)
-        return out[:, lmax:].tolist(), {}
+        return hf_generate(hf, prompts, n_new, pad=pad, **kw), {}
 
     cases = [Case("HF plain", "hf", "plain", "-", 0, gen)]
     if draft is not None:
