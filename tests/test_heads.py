@@ -7,17 +7,15 @@ import pytest
 
 import specjax as sj
 from specjax import heads, kv_cache, speculate
-from specjax.heads import Head, HeadConfig, init_head
 from specjax.model import forward
-from tests.conftest import count_host_reads, tiny_model
+from tests.conftest import count_host_reads, random_head, tiny_model
 from tests.test_speculative import ALPHA, N_ROWS, PROMPT, PROMPTS, V, _chi2_pvalue, _exact_joint
 
 KINDS = ["mtp", "eagle"]
 
 
 def _head(target, kind, seed=3, scale=0.3):
-    cfg = HeadConfig.for_target(target.config, kind)
-    return Head(init_head(cfg, jax.random.key(seed), scale=scale), cfg)
+    return random_head(target, kind, seed=seed, scale=scale)
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,11 @@ from specjax import heads, kv_cache, speculate, tree
 from specjax.model import forward
 from specjax.sampling import categorical
 from specjax.tree import TreeConfig
-from tests.conftest import tiny_model
-from tests.test_heads import _head as _random_head
+from tests.conftest import random_head, tiny_model
 from tests.test_speculative import ALPHA, N_ROWS, PROMPT, PROMPTS, V, _chi2_pvalue, _exact_joint
 
 
-def _head(target, kind="eagle", seed=3, scale=0.3):
-    return _random_head(target, kind, seed=seed, scale=scale)
+_head = random_head
 
 
 def _random_parents(rng, n):
