@@ -44,7 +44,7 @@ def count_host_reads(monkeypatch, fn):
     try:
         out = fn()
     finally:
-        monkeypatch.setattr(array.ArrayImpl, "_value", orig)
+        monkeypatch.setattr(array_type, "_value", orig)
     return count[0], out
 
 
