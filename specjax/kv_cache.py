@@ -16,8 +16,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.config import ModelConfig
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +37,9 @@ class KVCache:
         return self.k[0].shape[2]
 
 
-def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> KVCache:
-    """Allocates zeroed pools: num_pages pages of page_size tokens for every layer."""
+def init_cache(cfg, num_pages: int, page_size: int, dtype=jnp.float32) -> KVCache:
+    """Allocates zeroed pools: num_pages pages of page_size tokens for every layer of ``cfg``
+    (any config with num_layers, num_kv_heads and head_dim; kv_cache imports no config module)."""
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
     shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
@@ -108,7 +107,7 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-def init_contiguous(cfg: ModelConfig, batch: int, num_tokens: int, page_size: int = 16,
+def init_contiguous(cfg, batch: int, num_tokens: int, page_size: int = 16,
                     dtype=jnp.float32):
     """A cache of ``batch`` sequences of up to ``num_tokens`` tokens with contiguous pages.
 

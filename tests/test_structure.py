@@ -17,9 +17,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("specjax", "pallas_kernels")
 FAMILY_CONFIGS = ("ModelConfig", "DeepseekConfig")  # the family config classes
 REGISTRY = os.path.join("specjax", "registry.py")  # the one place allowed to dispatch on them
-# Known offender being removed in parallel (the sharding split moves the multi-process barrier to
-# the public jax.distributed API): tolerated only while it is the sole one. Delete after the merge.
-PRIVATE_JAX_PENDING = (os.path.join("specjax", "sharding.py"),)
 
 
 def _modules() -> dict[str, str]:
@@ -126,8 +123,6 @@ def test_no_private_jax_imports():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             bad += [f"{rel}:{node.lineno} {n}" for n in names if n.startswith("jax._src")]
-    if bad and all(b.split(":")[0] in PRIVATE_JAX_PENDING for b in bad):
-        pytest.xfail(f"pending removal in a parallel branch: {bad}")
     assert not bad, f"private JAX API imported: {bad}"
 
 
