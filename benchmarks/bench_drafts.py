@@ -25,6 +25,7 @@ import jax
 
 import specjax as sj
 from specjax import bench
+from specjax import shipped
 from specjax.heads import Head
 from specjax.train.corpora import chat_prompts
 
@@ -35,8 +36,8 @@ def _method(draft) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--drafts", default="checkpoints/smollm2-mtp,checkpoints/smollm2-mtp-v8k,"
-                                        "checkpoints/smollm2-eagle,checkpoints/smollm2-draft")
+    ap.add_argument("--drafts", default=",".join(shipped.path(n) for n, _ in shipped.available()),
+                    help="comma-separated draft checkpoints (default: every shipped one)")
     ap.add_argument("--ks", default="1,3")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)

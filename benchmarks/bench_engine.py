@@ -50,15 +50,15 @@ def tiny_setup(args):
 
 
 def smollm2_setup(args):
-    from specjax.cli import _repo_checkpoints  # noqa: PLC0415
+    from specjax import shipped  # noqa: PLC0415
     from specjax.train.corpora import chat_prompts  # noqa: PLC0415
 
     target = sj.load_model("smollm2-135m")
     tok = sj.load_tokenizer("smollm2-135m")
     drafts = {"draft": (sj.early_exit_draft(target, args.early_exit), f"early-exit {args.early_exit} layers")}
-    mtp = os.path.join(_repo_checkpoints(), "smollm2-mtp")
-    if os.path.isdir(mtp):
-        drafts["mtp"] = (sj.load_draft(mtp, target=target), "checkpoints/smollm2-mtp")
+    mtp = shipped.load_best(target, "mtp")
+    if mtp is not None:
+        drafts["mtp"] = mtp
     prompts = [tok.apply_chat_template(m) for m in chat_prompts("held_out", limit=args.num_requests)]
     return target, drafts, prompts, 64
 

@@ -34,46 +34,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 import numpy as np
 
-from specjax.bench import Timer, usable_cpus, wait_idle
-
-
-def _versions() -> dict:
-    import jax
-    import jaxlib
-    import torch
-    import transformers
-    return {"python": platform.python_version(), "jax": jax.__version__,
-            "jaxlib": jaxlib.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "numpy": np.__version__}
+from specjax.bench import Timer, hf_generate, machine_info, usable_cpus, versions, wait_idle
 
 
 def _loadavg():
-    try:
-        return list(os.getloadavg())
-    except OSError:
-        return None
-
-
-def _machine() -> dict:
-    cpu_model = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu_model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"cpu_count": os.cpu_count(), "cpu_model": cpu_model, "platform": platform.platform(),
-            "machine": platform.machine(), "usable_cpus": usable_cpus(),
-            "loadavg_at_start": _loadavg()}
+    return machine_info()["loadavg"]
 
 
 def _median(xs):
@@ -135,7 +106,7 @@ def _run(args) -> dict:
     n_new = args.max_new_tokens
     bsz = args.batch
     nprom = max(args.num_prompts, bsz)
-    info = {"machine": _machine(), "versions": _versions(),
+    info = {"machine": machine_info(), "versions": versions(hf=True),
             "command": " ".join(["python"] + sys.argv),
             "jax_backend": jax.default_backend(), "jax_devices": len(jax.devices()),
             "torch_threads": torch.get_num_threads(), "max_new_tokens": n_new,
@@ -172,17 +143,7 @@ def _run(args) -> dict:
         return out.tokens
 
     def hf_run(ps, n):
-        lmax = max(len(p) for p in ps)
-        ids = np.full((len(ps), lmax), 2, np.int64)
-        mask = np.zeros((len(ps), lmax), np.int64)
-        for i, p in enumerate(ps):  # left padding
-            ids[i, lmax - len(p):] = p
-            mask[i, lmax - len(p):] = 1
-        with torch.inference_mode():
-            out = hf.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                              max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              eos_token_id=None, pad_token_id=2)
-        return out[:, lmax:].tolist()
+        return hf_generate(hf, ps, n, pad=2)  # pad = EOS id, masked out
 
     runners = {"specjax": sj_run, "hf": hf_run}
     sides = ("specjax", "hf")

@@ -21,6 +21,7 @@ import time
 import jax
 
 import specjax as sj
+from specjax import shipped
 from specjax.train.corpora import chat_prompts
 from specjax.tree import TreeConfig
 
@@ -44,7 +45,7 @@ def run(target, head, prompts, method, max_new, **kw):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--head", default="checkpoints/smollm2-mtp")
+    ap.add_argument("--head", default=None, help="head checkpoint (default: the best shipped MTP head)")
     ap.add_argument("--widths", default="5,9,17", help="verified tokens per step (root included)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -53,6 +54,7 @@ def main(argv=None):
 
     target = sj.load_model("smollm2-135m")
     tok = sj.load_tokenizer("smollm2-135m")
+    args.head = args.head or shipped.path(shipped.best("mtp") or "smollm2-mtp")
     head = sj.load_draft(args.head, target)
     chain_method = head.config.kind
     prompts = [tok.apply_chat_template(m)

@@ -16,13 +16,16 @@ import json
 import os
 
 import specjax as sj
+from specjax import shipped
 from specjax.heads import Head
 from specjax.train import pipeline, trainer
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--drafts", default="checkpoints/smollm2-mtp,checkpoints/smollm2-eagle")
+    ap.add_argument("--drafts", default=",".join(shipped.path(n) for n, k in shipped.available()
+                                                 if k in ("mtp", "eagle")),
+                    help="comma-separated head checkpoints (default: the shipped heads)")
     ap.add_argument("--work", default="data/smollm2")
     ap.add_argument("--out", default="benchmarks/results/held_out.json")
     args = ap.parse_args(argv)

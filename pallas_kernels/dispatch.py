@@ -23,7 +23,7 @@ PREFILL_MIN_TOKENS = 16
 def paged_attention(q, k_pages, v_pages, page_table, cache_start, num_new, new_mask, scale=None):
     """Multi-query paged attention through a Pallas kernel (interpreted unless on GPU).
 
-    Shapes as in ``specjax.attention.paged_attention_reference``: q [B, T, H, D], pools
+    Shapes as in ``pallas_kernels.paged_attention.paged_attention_reference``: q [B, T, H, D], pools
     [Hkv, P, S, D], page_table [B, Pmax], cache_start/num_new [B], new_mask [B, T, T] or None.
     """
     if new_mask is None and q.shape[1] >= PREFILL_MIN_TOKENS:

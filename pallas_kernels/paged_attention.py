@@ -1,9 +1,11 @@
 """Multi-query paged attention (decode, chain and tree verification) as a Pallas kernel.
 
-Semantics are exactly those of ``specjax.attention.paged_attention_reference`` (the plain-jnp twin,
-re-exported here as ``paged_attention_reference``): the T new tokens of sequence b sit at cache
-slots ``cache_start[b] + t``; query t attends to every prefix slot ``j < cache_start[b]`` and to
-new slot ``cache_start[b] + t'`` (``t' < num_new[b]``) where ``new_mask[b, t, t']`` holds.
+Semantics are exactly those of ``paged_attention_reference`` below (the plain-jnp twin, which
+``specjax.attention`` re-exports as its reference implementation): the T new tokens of sequence b
+sit at cache slots ``cache_start[b] + t``; query t attends to every prefix slot
+``j < cache_start[b]`` and to new slot ``cache_start[b] + t'`` (``t' < num_new[b]``) where
+``new_mask[b, t, t']`` holds. Stale slots are never read: their scores are masked and their
+values zeroed, so even NaN-poisoned pages cannot leak in.
 
 Kernel layout (backend-neutral ``pl.pallas_call`` + ``BlockSpec``; runs with ``interpret=True`` on
 CPU and lowers through Triton on GPU):
@@ -40,7 +42,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common as C
-from specjax import attention as _attention
 
 _BITS = 32  # new-mask bits per int32 word
 _TARGET_PROGRAMS = 264  # about two waves of 132 SMs (H100/H200): auto split-K aims here
@@ -79,11 +80,55 @@ class BlockSizes:
             raise ValueError(f"num_splits must be None or an int >= 1, got {self.num_splits!r}")
 
 
+def causal_mask(t: int):
+    """[T, T] bool lower-triangular mask among new tokens."""
+    return jnp.tril(jnp.ones((t, t), dtype=bool))
+
+
 def paged_attention_reference(q, k_pages, v_pages, page_table, cache_start, num_new,
                               new_mask=None, *, scale=None):
-    """The plain-jnp twin (``specjax.attention.paged_attention_reference``); same signature."""
-    return _attention.paged_attention_reference(q, k_pages, v_pages, page_table, cache_start,
-                                                num_new, new_mask, scale=scale)
+    """Plain-jnp paged attention with a prefix + new-token mask (the kernel's twin).
+
+    Args:
+      q: [B, T, H, D] queries (RoPE applied).
+      k_pages, v_pages: [Hkv, P, S, D] pools holding the prefix and the new tokens.
+      page_table: [B, Pmax] int32.
+      cache_start: [B] int32 number of prefix tokens (slot of the first new token).
+      num_new: [B] int32 number of valid new tokens (<= T).
+      new_mask: optional [B, T, T] bool mask among the new tokens; default causal.
+      scale: softmax scale, default D ** -0.5.
+    Returns:
+      [B, T, H, D] in q's dtype.
+    """
+    b, t, h, d = q.shape
+    hkv, _, s, _ = k_pages.shape
+    g = h // hkv
+    pmax = page_table.shape[1]
+    scale = d ** -0.5 if scale is None else scale
+    if new_mask is None:
+        new_mask = jnp.broadcast_to(causal_mask(t), (b, t, t))
+    # Every mapped page of each sequence in cache order: [Hkv, B, Pmax, S, D] -> [B, Hkv, N, D].
+    keys = k_pages[:, page_table].transpose(1, 0, 2, 3, 4).reshape(b, hkv, pmax * s, d)
+    vals = v_pages[:, page_table].transpose(1, 0, 2, 3, 4).reshape(b, hkv, pmax * s, d)
+    n = keys.shape[2]
+    j = jnp.arange(n, dtype=jnp.int32)[None, :]  # [1, N]
+    start = cache_start[:, None]  # [B, 1]
+    rel = j - start  # [B, N] index among the new tokens
+    in_new = (rel >= 0) & (rel < num_new[:, None])  # [B, N]
+    readable = (j < start) | in_new  # [B, N]
+    # new-token part of the mask: new_mask[b, t, rel] where the slot is a new token
+    rel_c = jnp.clip(rel, 0, t - 1)
+    new_allowed = jnp.take_along_axis(new_mask, jnp.broadcast_to(rel_c[:, None, :], (b, t, n)),
+                                      axis=2)
+    allowed = (j < start)[:, None, :] | (in_new[:, None, :] & new_allowed)  # [B, T, N]
+    vals = jnp.where(readable[:, None, :, None], vals, 0)
+    qg = q.reshape(b, t, hkv, g, d).astype(jnp.float32)
+    sc = jnp.einsum("btkgd,bknd->bkgtn", qg, keys.astype(jnp.float32)) * scale
+    sc = jnp.where(allowed[:, None, None, :, :], sc, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(sc, axis=-1)
+    p = jnp.where(allowed[:, None, None, :, :], p, 0.0)
+    o = jnp.einsum("bkgtn,bknd->btkgd", p, vals.astype(jnp.float32))
+    return o.reshape(b, t, h, d).astype(q.dtype)
 
 
 def _kernel(q_ref, k_ref, v_ref, pt_ref, start_ref, nnew_ref, bits_ref, *out_refs, scale: float,
@@ -106,34 +151,17 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, start_ref, nnew_ref, bits_ref, *out_ref
     mid = jnp.clip(n_prefix, lo, hi)
 
     q = q_ref[...]  # [R, Dp]
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    precision = C.precision_for(q.dtype)
 
     def load(i):
-        pages = pt_ref[pl.ds(i * pages_per_block, pages_per_block)]  # [ppb]
-        k = k_ref[pages].reshape(block_k, d)  # [Kb, Dp]
-        v = v_ref[pages].reshape(block_k, d)
-        # tl.dot needs one operand dtype: a cache stored in another dtype than q is cast here.
-        return k.astype(q.dtype), v
+        return C.load_kv_block(k_ref, v_ref, pt_ref, i, pages_per_block, q.dtype)
 
-    def scores(k):
-        return lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32) * scale  # [R, Kb]
-
-    def update(carry, s, p_mask, v):
-        acc, m_prev, l_prev = carry
-        m_next = jnp.maximum(m_prev, s.max(axis=-1))
-        alpha = jnp.exp(m_prev - m_next)
-        p = jnp.exp(s - m_next[:, None])
-        if p_mask is not None:  # a fully masked row has m == MASK_VALUE and exp(0) == 1
-            p = jnp.where(p_mask, p, 0.0)
-        l_next = alpha * l_prev + p.sum(axis=-1)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)  # [R, Dp]
-        return alpha[:, None] * acc + pv, m_next, l_next
+    def update(carry, s, allowed, v):
+        return C.softmax_update(carry, s, allowed, v, precision)
 
     def prefix_body(i, carry):  # every slot is a committed prefix token: no mask, no guard
         k, v = load(i)
-        return update(carry, scores(k), None, v)
+        return update(carry, C.scores(q, k, scale), None, v)
 
     words = [bits_ref[w, :] for w in range(num_words)]  # num_words x [R] int32
 
@@ -147,7 +175,7 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, start_ref, nnew_ref, bits_ref, *out_ref
         readable = (in_prefix | in_new)[:, None]
         k = jnp.where(readable, k, jnp.zeros_like(k))
         v = jnp.where(readable, v, jnp.zeros_like(v))
-        s = scores(k)
+        s = C.scores(q, k, scale)
         # new_mask[t, rel] from the row's bitmask words.
         rel_c = jnp.clip(rel, 0, num_words * _BITS - 1)
         word_id, bit = rel_c // _BITS, rel_c % _BITS
@@ -159,15 +187,11 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, start_ref, nnew_ref, bits_ref, *out_ref
         s = jnp.where(allowed, s, C.MASK_VALUE)
         return update(carry, s, allowed, v)
 
-    carry = (jnp.zeros((rows, d), jnp.float32),
-             jnp.full((rows,), C.MASK_VALUE, jnp.float32),
-             jnp.zeros((rows,), jnp.float32))
-    carry = lax.fori_loop(lo, mid, prefix_body, carry)
+    carry = lax.fori_loop(lo, mid, prefix_body, C.softmax_init(rows, d))
     acc, m, l = lax.fori_loop(mid, hi, masked_body, carry)
     if num_splits == 1:
         (o_ref,) = out_refs
-        # Rows that may attend to nothing give 0, like the reference.
-        o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+        o_ref[...] = C.softmax_finish(acc, l).astype(o_ref.dtype)
     else:
         acc_ref, m_ref, l_ref = out_refs
         acc_ref[...] = acc
@@ -245,16 +269,12 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_start, num_new, new_m
     pmax = page_table.shape[1]
     scale = d ** -0.5 if scale is None else float(scale)
     if new_mask is None:
-        new_mask = jnp.broadcast_to(_attention.causal_mask(t), (b, t, t))
+        new_mask = jnp.broadcast_to(causal_mask(t), (b, t, t))
 
-    # Static tiling.
-    ppb = block_sizes.pages_per_block or max(1, 64 // page_size)
-    ppb = min(ppb, C.next_pow2(pmax))
-    p_pad = C.next_pow2(max(pmax, ppb))
-    d_pad = max(C.MIN_DOT, C.next_pow2(d))
-    n_rows = g * t
-    block_r = min(block_sizes.block_rows, max(C.MIN_DOT, C.next_pow2(n_rows)))
-    r_pad = pl.cdiv(n_rows, block_r) * block_r
+    tl = C.tiling(block_sizes.pages_per_block or max(1, 64 // page_size), pmax, d, g * t,
+                  block_sizes.block_rows)
+    ppb, p_pad, d_pad, n_rows, block_r, r_pad = (tl.ppb, tl.p_pad, tl.d_pad, tl.n_rows,
+                                                 tl.block_r, tl.r_pad)
     num_words = pl.cdiv(t, _BITS)
     w_pad = C.next_pow2(num_words)
     num_slots = pmax * page_size
@@ -265,7 +285,7 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_start, num_new, new_m
 
     # Rows: [B, T, Hkv*G, D] -> [B, Hkv, G*T, D]  (row g*T + t).
     qr = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, n_rows, d)
-    qr = C.pad_head_dim(jnp.pad(qr, ((0, 0), (0, 0), (0, r_pad - n_rows), (0, 0))), d_pad)
+    qr = C.pad_rows(qr, tl)
     kp, vp = C.pad_head_dim(k_pages, d_pad), C.pad_head_dim(v_pages, d_pad)
     pt = C.clamped_page_table(page_table, num_pages, p_pad)  # [B, p_pad]
     bits = _mask_bits(new_mask, num_words)  # [B, T, W]

@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common as C
-from specjax import attention as _attention
+from pallas_kernels.paged_attention import paged_attention_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +63,8 @@ def prefill_attention_reference(q, k_pages, v_pages, page_table, cache_start, nu
 
     Shapes as in ``prefill_attention``.
     """
-    return _attention.paged_attention_reference(q, k_pages, v_pages, page_table, cache_start,
-                                                num_new, None, scale=scale)
+    return paged_attention_reference(q, k_pages, v_pages, page_table, cache_start, num_new, None,
+                                     scale=scale)
 
 
 def _kernel(q_ref, k_ref, v_ref, pt_ref, start_ref, nnew_ref, o_ref, *, scale: float,
@@ -83,41 +83,28 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, start_ref, nnew_ref, o_ref, *, scale: f
     n_blocks = pl.cdiv(jnp.minimum(length, start + last_tok + 1), block_k)
     n_full = jnp.minimum(jnp.minimum(length, start + first_tok + 1) // block_k, n_blocks)
 
-    q = q_ref[...]
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    q = q_ref[...]  # [R, Dp]
+    precision = C.precision_for(q.dtype)
 
     def step(i, carry, masked: bool):
-        acc, m_prev, l_prev = carry
-        pages = pt_ref[pl.ds(i * pages_per_block, pages_per_block)]  # [ppb]
-        k = k_ref[pages].reshape(block_k, d).astype(q.dtype)  # [Kb, Dp]; tl.dot: one dtype
-        v = v_ref[pages].reshape(block_k, d)
+        k, v = C.load_kv_block(k_ref, v_ref, pt_ref, i, pages_per_block, q.dtype)  # [Kb, Dp]
+        allowed = None
         if masked:
             j = i * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)  # slot ids
             live = j < length
             # Stale slots may hold NaN: zero them before any product.
             k = jnp.where(live[:, None], k, jnp.zeros_like(k))
             v = jnp.where(live[:, None], v, jnp.zeros_like(v))
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32) * scale  # [R, Kb]
-        if masked:
             allowed = live[None, :] & (j[None, :] <= horizon[:, None])
-            s = jnp.where(allowed, s, C.MASK_VALUE)
-        m_next = jnp.maximum(m_prev, s.max(axis=-1))
-        alpha = jnp.exp(m_prev - m_next)
-        p = jnp.exp(s - m_next[:, None])
+        s = C.scores(q, k, scale)  # [R, Kb]
         if masked:
-            p = jnp.where(allowed, p, 0.0)
-        l_next = alpha * l_prev + p.sum(axis=-1)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
-        return alpha[:, None] * acc + pv, m_next, l_next
+            s = jnp.where(allowed, s, C.MASK_VALUE)
+        return C.softmax_update(carry, s, allowed, v, precision)
 
-    carry = (jnp.zeros((rows, d), jnp.float32),
-             jnp.full((rows,), C.MASK_VALUE, jnp.float32),
-             jnp.zeros((rows,), jnp.float32))
-    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False),
+                          C.softmax_init(rows, d))
     acc, _, l = lax.fori_loop(n_full, n_blocks, functools.partial(step, masked=True), carry)
-    o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+    o_ref[...] = C.softmax_finish(acc, l).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "interpret"))
@@ -149,17 +136,13 @@ def prefill_attention(q, k_pages, v_pages, page_table, cache_start, num_new, *,
     pmax = page_table.shape[1]
     scale = d ** -0.5 if scale is None else float(scale)
 
-    # Static tiling.
-    ppb = min(max(1, block_sizes.block_keys // page_size), C.next_pow2(pmax))
-    p_pad = C.next_pow2(max(pmax, ppb))
-    d_pad = max(C.MIN_DOT, C.next_pow2(d))
-    n_rows = t * g
-    block_r = min(block_sizes.block_rows, max(C.MIN_DOT, C.next_pow2(n_rows)))
-    r_pad = pl.cdiv(n_rows, block_r) * block_r
+    tl = C.tiling(block_sizes.block_keys // page_size, pmax, d, t * g, block_sizes.block_rows)
+    ppb, p_pad, d_pad, n_rows, block_r, r_pad = (tl.ppb, tl.p_pad, tl.d_pad, tl.n_rows,
+                                                 tl.block_r, tl.r_pad)
 
     # Rows: [B, T, Hkv*G, D] -> [B, Hkv, T*G, D]  (row t*G + g).
     qr = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, n_rows, d)
-    qr = C.pad_head_dim(jnp.pad(qr, ((0, 0), (0, 0), (0, r_pad - n_rows), (0, 0))), d_pad)
+    qr = C.pad_rows(qr, tl)
     kp, vp = C.pad_head_dim(k_pages, d_pad), C.pad_head_dim(v_pages, d_pad)
     pt = C.clamped_page_table(page_table, num_pages, p_pad)  # [B, p_pad]
 

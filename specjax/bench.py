@@ -220,12 +220,30 @@ def _hf_model(path: str, device: str = "cpu"):
     return m
 
 
+def hf_generate(hf, prompts: list, n_new: int, pad: int = 0, **kw) -> list[list[int]]:
+    """Greedy HF ``generate`` of exactly ``n_new`` tokens per prompt (EOS off), the prompts
+    left-padded with ``pad`` under an attention mask, on the model's device; ``kw`` go to
+    ``generate`` (assistant_model, prompt_lookup_num_tokens, ...). Returns the new tokens."""
+    import torch  # noqa: PLC0415
+
+    dev = next(hf.parameters()).device
+    lmax = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), lmax), pad, np.int64)
+    mask = np.zeros((len(prompts), lmax), np.int64)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, lmax - len(p):] = p
+        mask[i, lmax - len(p):] = 1
+    with torch.inference_mode():
+        out = hf.generate(torch.from_numpy(ids).to(dev), attention_mask=torch.from_numpy(mask).to(dev),
+                          max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+                          eos_token_id=None, pad_token_id=pad, **kw)
+    return out[:, lmax:].tolist()
+
+
 def hf_cases(target, n_new: int, draft=None, draft_desc: str = "-", k: int = 2,
              prompt_lookup_k: int = 0, work: str | None = None, device: str = "cpu") -> list[Case]:
     """HF plain (+ assisted with ``draft`` converted to HF, + prompt lookup) on ``target``'s
     exact weights: both are written as HF directories (float32 safetensors) under ``work``."""
-    import torch  # noqa: PLC0415
-
     from specjax.io.hf import save_hf_dir  # noqa: PLC0415
 
     work = work or tempfile.mkdtemp(prefix="specjax-bench-")
@@ -235,18 +253,7 @@ def hf_cases(target, n_new: int, draft=None, draft_desc: str = "-", k: int = 2,
     pad = target.config.eos_token_id if isinstance(target.config.eos_token_id, int) else 0
 
     def gen(prompts, **kw):
-        lmax = max(len(p) for p in prompts)
-        ids = np.full((len(prompts), lmax), pad, np.int64)
-        mask = np.zeros((len(prompts), lmax), np.int64)
-        for i, p in enumerate(prompts):  # left padding
-            ids[i, lmax - len(p):] = p
-            mask[i, lmax - len(p):] = 1
-        with torch.inference_mode():
-            out = hf.generate(torch.from_numpy(ids).to(device),
-                              attention_mask=torch.from_numpy(mask).to(device),
-                              max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                              eos_token_id=None, pad_token_id=pad, **kw)
-        return out[:, lmax:].tolist(), {}
+        return hf_generate(hf, prompts, n_new, pad=pad, **kw), {}
 
     cases = [Case("HF plain", "hf", "plain", "-", 0, gen)]
     if draft is not None:
@@ -506,10 +513,10 @@ def add_arguments(p, *, max_new_tokens=32, num_prompts=4, batch=4, repeats=2, ou
                         "checkpoints/smollm2-draft if present, else an early-exit draft)")
     p.add_argument("--early-exit-layers", type=int, default=2,
                    help="layers of the early-exit fallback draft (the target's first n layers)")
-    p.add_argument("--mtp", default="auto", help="MTP head path, 'auto' (checkpoints/smollm2-mtp-v8k, else "
-                                                  "smollm2-mtp) or 'none'")
-    p.add_argument("--eagle", default="auto", help="EAGLE head path, 'auto' "
-                                                    "(checkpoints/smollm2-eagle) or 'none'")
+    p.add_argument("--mtp", default="auto", help="MTP head path, 'auto' (the best shipped MTP head, "
+                                                  "see specjax.shipped) or 'none'")
+    p.add_argument("--eagle", default="auto", help="EAGLE head path, 'auto' (the shipped "
+                                                    "EAGLE head) or 'none'")
     p.add_argument("--k-draft", type=int, default=None,
                    help="draft length for the draft LLM, same for HF assisted (default: 1 for the "
                         "untrained early-exit draft, 3 for a trained one)")
@@ -541,24 +548,22 @@ def add_arguments(p, *, max_new_tokens=32, num_prompts=4, batch=4, repeats=2, ou
     p.add_argument("--no-progress", dest="progress", action="store_false")
 
 
-def _resolve_head(target, arg: str, name: str):
+def _resolve_head(target, arg: str, kind: str):
+    """--mtp / --eagle: "none", "auto" (the best shipped head of ``kind``, if any) or a path."""
     import specjax as sj  # noqa: PLC0415
-    from specjax.cli import repo_checkpoints  # noqa: PLC0415
-    from specjax.io.checkpoint import is_checkpoint  # noqa: PLC0415
+    from specjax import shipped  # noqa: PLC0415
 
     if arg == "none":
         return None
-    path = os.path.join(repo_checkpoints(), name) if arg == "auto" else arg
-    if arg == "auto" and (target.source != "smollm2-135m" or not is_checkpoint(path)):
-        return None
-    return sj.load_draft(path, target=target), (f"checkpoints/{name}" if arg == "auto" else arg)
+    if arg == "auto":
+        return shipped.load_best(target, kind)
+    return sj.load_draft(arg, target=target), arg
 
 
 def run_from_args(args) -> dict:
     """Loads the target, drafts and prompts named by ``args`` and runs the comparison."""
     import specjax as sj  # noqa: PLC0415
-    from specjax.cli import repo_checkpoints  # noqa: PLC0415
-    from specjax.io.checkpoint import is_checkpoint  # noqa: PLC0415
+    from specjax import shipped  # noqa: PLC0415
 
     if args.hf:
         import torch  # noqa: PLC0415
@@ -566,23 +571,18 @@ def run_from_args(args) -> dict:
     target = sj.load_model(args.model)
     tok = sj.load_tokenizer(args.tokenizer or args.model)
     drafts, ks = {}, {}
-    shipped = os.path.join(repo_checkpoints(), "smollm2-draft")
+    best_draft = None if args.draft else shipped.load_best(target, "draft")
     if args.draft:
         drafts["draft"] = (sj.load_draft(args.draft, target=target), args.draft)
-        trained = True
-    elif target.source == "smollm2-135m" and is_checkpoint(shipped):
-        drafts["draft"] = (sj.load_draft(shipped, target=target), "checkpoints/smollm2-draft")
-        trained = True
+    elif best_draft is not None:
+        drafts["draft"] = best_draft
     else:
         n = args.early_exit_layers
         drafts["draft"] = (sj.early_exit_draft(target, n), f"early-exit {n} layers")
-        trained = False
+    trained = bool(args.draft) or best_draft is not None
     ks["draft"] = args.k_draft or (3 if trained else 1)
-    from specjax.cli import best_shipped  # noqa: PLC0415
-
-    for method, arg, name, k in (("mtp", args.mtp, best_shipped("mtp") or "smollm2-mtp", args.k_mtp),
-                                 ("eagle", args.eagle, "smollm2-eagle", args.k_eagle)):
-        head = _resolve_head(target, arg, name)
+    for method, arg, k in (("mtp", args.mtp, args.k_mtp), ("eagle", args.eagle, args.k_eagle)):
+        head = _resolve_head(target, arg, method)
         if head is not None:
             drafts[method], ks[method] = head, k
     if args.prompt_lookup:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -17,14 +16,6 @@ DEMO_PROMPTS = (
     "Write a short poem about the sea.",
     "Explain in two sentences why the sky is blue.",
 )
-
-
-def repo_checkpoints() -> str:
-    """The repository's checkpoints/ folder (shipped drafts; present in a source checkout)."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")
-
-
-_repo_checkpoints = repo_checkpoints
 
 
 def _log(msg: str) -> None:
@@ -48,41 +39,9 @@ def _write_json(obj, dest: str | None) -> None:
         _log(f"wrote {dest}")
 
 
-SHIPPED = (("smollm2-mtp-v8k", "mtp"), ("smollm2-mtp", "mtp"), ("smollm2-eagle", "eagle"),
-           ("smollm2-draft", "draft"))
-
-
-def best_shipped(kind: str) -> str | None:
-    """Name of the first (best) shipped checkpoint of ``kind`` present in checkpoints/."""
-    from specjax.io.checkpoint import is_checkpoint  # noqa: PLC0415
-
-    return next((name for name, k in SHIPPED
-                 if k == kind and is_checkpoint(os.path.join(repo_checkpoints(), name))), None)
-
-
-def default_draft(target, method: str | None = None, layers: int = 8):
-    """The best shipped draft for SmolLM2 (MTP head, EAGLE head, distilled draft LLM, in that
-    order; restricted to ``method`` if given), else an untrained early-exit draft.
-
-    Returns (draft, description, method).
-    """
-    import specjax as sj  # noqa: PLC0415
-    from specjax.io.checkpoint import is_checkpoint  # noqa: PLC0415
-
-    if target.source == "smollm2-135m":
-        for name, kind in SHIPPED:
-            path = os.path.join(_repo_checkpoints(), name)
-            tree_ok = method == "eagle-tree" and kind in ("mtp", "eagle")  # any head drafts trees
-            if (method in (None, kind) or tree_ok) and is_checkpoint(path):
-                return (sj.load_draft(path, target=target), f"checkpoints/{name}",
-                        method if tree_ok else kind)
-    if method in (None, "draft"):
-        return sj.early_exit_draft(target, layers), f"early-exit draft (first {layers} layers)", "draft"
-    raise ValueError(f"no shipped {method!r} draft for {target.source!r}: pass --draft PATH")
-
-
 def _load(args):
     import specjax as sj  # noqa: PLC0415
+    from specjax import shipped  # noqa: PLC0415
 
     t0 = time.perf_counter()
     target = sj.load_model(args.model)
@@ -95,7 +54,7 @@ def _load(args):
             draft, draft_name = sj.load_draft(args.draft, target=target), args.draft
             args.method = args.method or ("draft" if isinstance(draft, sj.Model) else draft.config.kind)
         else:
-            draft, draft_name, args.method = default_draft(target, args.method)
+            draft, draft_name, args.method = shipped.default_draft(target, args.method)
     if args.k is None:
         args.k = 1 if args.method == "mtp" and not args.adaptive else (3 if args.method == "ngram" else 4)
     args.draft_name = draft_name
@@ -376,12 +335,7 @@ def _save_hf_tokenizer(name: str, out: str) -> None:
         tok = sj.load_tokenizer(name)
     except Exception:  # noqa: BLE001 - a draft checkpoint has no tokenizer of its own
         return
-    tok.backend.save(os.path.join(out, "tokenizer.json"))
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", **tok.special_tokens_map}
-    if tok.chat_template:
-        cfg["chat_template"] = tok.chat_template
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
+    tok.save(out)
 
 
 def _train_common(p):
@@ -409,8 +363,14 @@ def _train_common(p):
 
 
 def _prepare_training(args):
+    import logging  # noqa: PLC0415
+
     import specjax as sj  # noqa: PLC0415
     from specjax.train import pipeline, trainer  # noqa: PLC0415
+
+    # Stage and resume messages of the training pipeline go to stderr, timestamped.
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
 
     target = sj.load_model(args.model)
     tok = sj.load_tokenizer(args.model)

@@ -11,6 +11,22 @@ from typing import Any, Mapping
 from specjax.tree import TreeConfig  # tree.py imports no specjax config: no cycle
 
 
+def parse_eos(value) -> int | tuple[int, ...] | None:
+    """An HF / JSON ``eos_token_id`` (None, an int, or a list of ints) as a config field value:
+    None, an int, or a non-empty tuple of ints (hashable)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(int(e) for e in value) or None
+    return None if value is None else int(value)
+
+
+def eos_ids(value) -> tuple[int, ...]:
+    """A config's ``eos_token_id`` field as a tuple of stop ids (empty when there is none)."""
+    value = parse_eos(value)
+    if value is None:
+        return ()
+    return value if isinstance(value, tuple) else (value,)
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Llama-3 style RoPE frequency scaling (``rope_scaling={"rope_type": "llama3", ...}``)."""
@@ -87,9 +103,7 @@ class ModelConfig:
                     original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
             elif kind not in (None, "default"):
                 raise ValueError(f"rope_scaling type {kind!r} is not supported (llama3 or none)")
-        eos = d.get("eos_token_id")
-        if isinstance(eos, (list, tuple)):
-            eos = tuple(int(e) for e in eos) or None
+        eos = parse_eos(d.get("eos_token_id"))
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -115,15 +129,12 @@ class ModelConfig:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """All stop ids as a tuple (empty when the model has none)."""
-        if self.eos_token_id is None:
-            return ()
-        return tuple(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+        return eos_ids(self.eos_token_id)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
         d = dict(d)
-        if isinstance(d.get("eos_token_id"), list):
-            d["eos_token_id"] = tuple(d["eos_token_id"])
+        d["eos_token_id"] = parse_eos(d.get("eos_token_id"))
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         return cls(**d)

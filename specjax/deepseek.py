@@ -49,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from specjax import attention as attn_lib
+from specjax.config import eos_ids, parse_eos
 from specjax import kv_cache
 from specjax import moe as moe_lib
 from specjax.model import embed, lm_head, rms_norm
@@ -158,9 +159,7 @@ class DeepseekConfig:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        if self.eos_token_id is None:
-            return ()
-        return tuple(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+        return eos_ids(self.eos_token_id)
 
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.first_k_dense_replace
@@ -199,9 +198,7 @@ class DeepseekConfig:
                 attention_factor=rope.get("attention_factor"), truncate=bool(rope.get("truncate", True)))
         elif kind not in (None, "default"):
             raise ValueError(f"rope type {kind!r} is not supported for DeepSeek (yarn or default)")
-        eos = d.get("eos_token_id")
-        if isinstance(eos, (list, tuple)):
-            eos = tuple(int(e) for e in eos) or None
+        eos = parse_eos(d.get("eos_token_id"))
         heads = d["num_attention_heads"]
         kw = dict(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],

@@ -16,8 +16,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.config import ModelConfig
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -39,13 +37,31 @@ class KVCache:
         return self.k[0].shape[2]
 
 
-def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32) -> KVCache:
-    """Allocates zeroed pools: num_pages pages of page_size tokens for every layer."""
+def init_cache(cfg, num_pages: int, page_size: int, dtype=jnp.float32) -> KVCache:
+    """Allocates zeroed pools: num_pages pages of page_size tokens for every layer of ``cfg``
+    (any config with num_layers, num_kv_heads and head_dim; kv_cache imports no config module)."""
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
     shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
     return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                    v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+
+
+def locate_slots(page_table, slots, num_pages: int, page_size: int):
+    """Page and offset of cache slots: the one slot -> page lookup.
+
+    Args:
+      page_table: [B, Pmax] int32 (-1 or out-of-pool entries are unmapped).
+      slots: [B, L] int32 slot indices of each row.
+    Returns:
+      (page [B, L], offset [B, L]) int32; slots that are negative, past the page table or on an
+      unmapped page get the null page ``num_pages`` (a write there is dropped with mode="drop").
+    """
+    pmax = page_table.shape[1]
+    page_idx = slots // page_size
+    page = jnp.take_along_axis(page_table, jnp.clip(page_idx, 0, pmax - 1), axis=1)
+    ok = (slots >= 0) & (page_idx < pmax) & (page >= 0) & (page < num_pages)
+    return jnp.where(ok, page, num_pages), slots % page_size
 
 
 def write_layer(k_pages, v_pages, k_new, v_new, page_table, cache_start, valid):
@@ -63,12 +79,8 @@ def write_layer(k_pages, v_pages, k_new, v_new, page_table, cache_start, valid):
     hkv, num_pages, page_size, d = k_pages.shape
     b, t = valid.shape
     slots = cache_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
-    page_idx = slots // page_size
-    valid = valid & (page_idx < page_table.shape[1]) & (slots >= 0)
-    pages = jnp.take_along_axis(page_table, jnp.clip(page_idx, 0, page_table.shape[1] - 1), axis=1)
-    valid = valid & (pages >= 0) & (pages < num_pages)  # unallocated (-1) pages are never written
-    pages = jnp.where(valid, pages, num_pages)  # out of range -> dropped
-    offsets = slots % page_size
+    pages, offsets = locate_slots(page_table, slots, num_pages, page_size)
+    pages = jnp.where(valid, pages, num_pages)  # padding -> dropped
     pages, offsets = pages.reshape(-1), offsets.reshape(-1)  # [B*T]
     k_rows = k_new.reshape(b * t, hkv, d).transpose(1, 0, 2).astype(k_pages.dtype)  # [Hkv, B*T, D]
     v_rows = v_new.reshape(b * t, hkv, d).transpose(1, 0, 2).astype(v_pages.dtype)
@@ -95,7 +107,7 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-def init_contiguous(cfg: ModelConfig, batch: int, num_tokens: int, page_size: int = 16,
+def init_contiguous(cfg, batch: int, num_tokens: int, page_size: int = 16,
                     dtype=jnp.float32):
     """A cache of ``batch`` sequences of up to ``num_tokens`` tokens with contiguous pages.
 

@@ -1,22 +1,20 @@
-"""Tokenizers for specjax models, built with the ``tokenizers`` library (no transformers needed).
+"""Tokenizers for specjax models: transformers' ``PreTrainedTokenizerFast`` behind a small wrapper.
 
 * :meth:`Tokenizer.from_gguf` rebuilds a byte-level BPE tokenizer (``tokenizer.ggml.model ==
-  "gpt2"``) from GGUF metadata: tokens, merges, token types, the pre-tokenizer named by
-  ``tokenizer.ggml.pre``, special token ids and the chat template.
-* :meth:`Tokenizer.from_hf_dir` loads a saved HF tokenizer (``tokenizer.json`` +
-  ``tokenizer_config.json`` / ``chat_template.jinja``).
+  "gpt2"``) from GGUF metadata with the ``tokenizers`` library: tokens, merges, token types, the
+  pre-tokenizer named by ``tokenizer.ggml.pre``, special token ids and the chat template
+  (transformers' own GGUF loader does not know every pre-tokenizer, e.g. SmolLM2's "smollm").
+* :meth:`Tokenizer.from_hf_dir` loads a saved HF tokenizer with
+  ``PreTrainedTokenizerFast.from_pretrained``.
 * :func:`load_tokenizer` picks one from a name, a ``.gguf`` file or a directory.
 
-Chat templates are rendered with a sandboxed jinja2 environment configured like transformers'
-(``trim_blocks``, ``lstrip_blocks``, ``raise_exception``, a non-escaping ``tojson``, ...).
+Chat templates are rendered by transformers' ``apply_chat_template``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
-from datetime import datetime
 from functools import lru_cache
 from typing import Any, Iterable, Sequence
 
@@ -147,71 +145,42 @@ def _template_post_processor(tok: tokenizers.Tokenizer, bos: str | None, eos: st
 
 
 # ----------------------------------------------------------------------------------------------
-# Chat templates
-# ----------------------------------------------------------------------------------------------
-
-@lru_cache(maxsize=16)
-def _compile_chat_template(source: str):
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # jinja's own tojson HTML-escapes; chat templates expect plain JSON (as in transformers)
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    def strftime_now(fmt):
-        return datetime.now().strftime(fmt)
-
-    class _GenerationTag(jinja2.ext.Extension):
-        """Accepts (and ignores) transformers' ``{% generation %}...{% endgeneration %}`` tags."""
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-        def _render(self, caller):
-            return caller()
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
-
-
-def _token_content(value) -> str | None:
-    """A special token as written in tokenizer_config.json: a string or an AddedToken dict."""
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        return value.get("content")
-    return str(value)
-
-
-# ----------------------------------------------------------------------------------------------
 # The tokenizer
 # ----------------------------------------------------------------------------------------------
 
-class Tokenizer:
-    """A ``tokenizers.Tokenizer`` plus special tokens and a chat template."""
+def _as_str_template(template) -> str | None:
+    """transformers keeps named templates as a dict; the ``"default"`` one (else the first)."""
+    if isinstance(template, dict):
+        return template.get("default") or next(iter(template.values()), None)
+    return template
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_token: str | None = None,
-                 eos_token: str | None = None, unk_token: str | None = None,
-                 pad_token: str | None = None, chat_template: str | None = None):
-        self._tok = tokenizer
-        self.bos_token = bos_token
-        self.eos_token = eos_token
-        self.unk_token = unk_token
-        self.pad_token = pad_token
-        self._chat_template = chat_template
+
+class Tokenizer:
+    """A transformers ``PreTrainedTokenizerFast`` (``.hf``) with specjax's conventions: ``encode``
+    adds no special tokens unless asked, ``apply_chat_template`` returns a plain list of ids.
+
+    Args:
+      tokenizer: a ``tokenizers.Tokenizer`` (wrapped with the special tokens and chat template
+        given here) or a ready ``PreTrainedTokenizerFast``.
+    """
+
+    def __init__(self, tokenizer, *, bos_token: str | None = None, eos_token: str | None = None,
+                 unk_token: str | None = None, pad_token: str | None = None,
+                 chat_template: str | None = None):
+        from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - ~1 s import
+
+        if isinstance(tokenizer, tokenizers.Tokenizer):
+            special = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token),
+                                         ("unk_token", unk_token), ("pad_token", pad_token))
+                       if v is not None}
+            tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer,
+                                                clean_up_tokenization_spaces=False, **special)
+            if chat_template is not None:
+                tokenizer.chat_template = chat_template
+        elif not isinstance(tokenizer, PreTrainedTokenizerFast):
+            raise TypeError("tokenizer must be a tokenizers.Tokenizer or a transformers "
+                            f"PreTrainedTokenizerFast, got {type(tokenizer).__name__}")
+        self.hf = tokenizer
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -248,101 +217,72 @@ class Tokenizer:
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> "Tokenizer":
-        """Loads ``tokenizer.json`` (+ ``tokenizer_config.json``, ``special_tokens_map.json``,
-        ``chat_template.jinja``) from a directory written by ``save_pretrained``."""
+        """Loads a directory written by ``save_pretrained`` (``tokenizer.json`` + config, special
+        tokens and chat template) through ``PreTrainedTokenizerFast.from_pretrained``."""
+        from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+
         path = os.fspath(path)
-        tj = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(tj):
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
             raise FileNotFoundError(f"{path}: no tokenizer.json (only fast/HF-json tokenizers are supported)")
-        tok = tokenizers.Tokenizer.from_file(tj)
+        hf = PreTrainedTokenizerFast.from_pretrained(path, clean_up_tokenization_spaces=False)
+        return cls(hf)
 
-        def read_json(name):
-            p = os.path.join(path, name)
-            if os.path.isfile(p):
-                with open(p, encoding="utf-8") as f:
-                    return json.load(f)
-            return {}
-
-        cfg = read_json("tokenizer_config.json")
-        special = {**read_json("special_tokens_map.json"), **cfg}
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default") or next(iter(named.values()), None)
-        jinja_file = os.path.join(path, "chat_template.jinja")
-        if template is None and os.path.isfile(jinja_file):
-            with open(jinja_file, encoding="utf-8") as f:
-                template = f.read()
-        if template is None:
-            ct = read_json("chat_template.json").get("chat_template")
-            template = ct if isinstance(ct, str) else None
-        return cls(tok, bos_token=_token_content(special.get("bos_token")),
-                   eos_token=_token_content(special.get("eos_token")),
-                   unk_token=_token_content(special.get("unk_token")),
-                   pad_token=_token_content(special.get("pad_token")),
-                   chat_template=template)
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the tokenizer as an HF directory (``save_pretrained``): AutoTokenizer loads it."""
+        self.hf.save_pretrained(os.fspath(path))
 
     # -- properties ------------------------------------------------------------------------------
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
-        """The wrapped ``tokenizers.Tokenizer``."""
-        return self._tok
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self.hf.backend_tokenizer
 
-    def _id(self, token: str | None) -> int | None:
-        return None if token is None else self._tok.token_to_id(token)
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self._id(self.eos_token)
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self._id(self.bos_token)
-
-    @property
-    def pad_token_id(self) -> int | None:
-        return self._id(self.pad_token)
-
-    @property
-    def unk_token_id(self) -> int | None:
-        return self._id(self.unk_token)
+    bos_token = property(lambda self: self.hf.bos_token)
+    eos_token = property(lambda self: self.hf.eos_token)
+    unk_token = property(lambda self: self.hf.unk_token)
+    pad_token = property(lambda self: self.hf.pad_token)
+    bos_token_id = property(lambda self: self.hf.bos_token_id)
+    eos_token_id = property(lambda self: self.hf.eos_token_id)
+    unk_token_id = property(lambda self: self.hf.unk_token_id)
+    pad_token_id = property(lambda self: self.hf.pad_token_id)
 
     @property
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included."""
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        return len(self.hf)
 
     def __len__(self) -> int:
         return self.vocab_size
 
     @property
     def chat_template(self) -> str | None:
-        return self._chat_template
+        return _as_str_template(self.hf.chat_template)
 
     @property
     def special_tokens_map(self) -> dict[str, str]:
         named = {"bos_token": self.bos_token, "eos_token": self.eos_token,
                  "unk_token": self.unk_token, "pad_token": self.pad_token}
-        return {k: v for k, v in named.items() if v is not None}
+        return {k: str(v) for k, v in named.items() if v is not None}
 
     def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
+        return self.backend.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
-        return self._tok.id_to_token(int(token_id))
+        return self.backend.id_to_token(int(token_id))
 
     # -- encode / decode -------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``. Special-token text such as ``<|im_start|>`` maps to its id."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+        return self.hf(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens,
+                              clean_up_tokenization_spaces=False)
 
     # -- chat ------------------------------------------------------------------------------------
 
@@ -350,14 +290,15 @@ class Tokenizer:
                             tokenize: bool = True, *, chat_template: str | None = None,
                             tools: list[dict] | None = None, documents: list[dict] | None = None,
                             **kwargs: Any) -> list[int] | str:
-        """Renders ``messages`` with the chat template; token ids (or the string if not tokenize).
+        """Renders ``messages`` with transformers' ``apply_chat_template``; token ids as a list
+        (or the string if not ``tokenize``), encoded without adding special tokens.
 
-        Like transformers, the template sees ``messages``, ``tools``, ``documents``,
-        ``add_generation_prompt``, the special tokens (``bos_token``, ``eos_token``, ...) and any
-        extra ``kwargs``; the result is encoded without adding special tokens.
+        The template sees ``messages``, ``tools``, ``documents``, ``add_generation_prompt``, the
+        special tokens and any extra ``kwargs`` (as in transformers).
+        Raises:
+          ValueError: no chat template, or an empty conversation. TypeError: a non-dict message.
         """
-        source = chat_template or self._chat_template
-        if source is None:
+        if (chat_template or self.chat_template) is None:
             raise ValueError("this tokenizer has no chat template; pass chat_template=...")
         if not messages:
             raise ValueError("cannot apply a chat template to an empty conversation")
@@ -365,15 +306,14 @@ class Tokenizer:
             if not isinstance(m, dict):
                 raise TypeError(f"chat messages must be dicts, got {m!r}")
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        text = _compile_chat_template(source).render(
-            messages=messages, tools=tools, documents=documents,
-            add_generation_prompt=add_generation_prompt,
-            **{**self.special_tokens_map, **kwargs})
+        text = self.hf.apply_chat_template(
+            messages, tools=tools, documents=documents, chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, "
-                f"eos={self.eos_token!r}, chat_template={'yes' if self._chat_template else 'no'})")
+                f"eos={self.eos_token!r}, chat_template={'yes' if self.chat_template else 'no'})")
 
 
 # ----------------------------------------------------------------------------------------------

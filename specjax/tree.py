@@ -42,6 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.tree_attention import ancestor_mask  # noqa: F401 - the one mask builder
+from specjax import kv_cache
 from specjax.sampling import categorical
 
 KINDS = ("dynamic", "static")
@@ -147,22 +149,6 @@ def root_to_leaf_paths(parents):
             path.append(int(par[path[-1]]))
         paths.append(path[::-1])
     return paths
-
-
-def ancestor_mask(parents):
-    """[B, M] parent indices (root entries -1, ``parents[:, j] < j``) -> [B, M, M] bool mask:
-    ``mask[b, i, j]`` iff j is i or an ancestor of i."""
-    b, m = parents.shape
-    eye = jnp.eye(m, dtype=bool)
-
-    def row(par):
-        def body(j, mask):
-            p = par[j]
-            inherited = jnp.where(p >= 0, mask[jnp.maximum(p, 0)], False)
-            return mask.at[j].set(inherited | eye[j])
-        return lax.fori_loop(0, m, body, jnp.zeros((m, m), bool))
-
-    return jax.vmap(row)(parents)
 
 
 def _take(x, idx):
@@ -361,18 +347,9 @@ def copy_slots(kv, page_table, base, src, count):
     """
     _, num_pages, s, _ = kv.k[0].shape
     length = src.shape[1]
-    pmax = page_table.shape[1]
     i = jnp.arange(length, dtype=jnp.int32)[None, :]
-
-    def locate(slots):  # [B, L] -> (page [B, L], offset [B, L]); unmapped pages -> num_pages
-        pidx = slots // s
-        ok = (slots >= 0) & (pidx < pmax)
-        page = jnp.take_along_axis(page_table, jnp.clip(pidx, 0, pmax - 1), axis=1)
-        ok = ok & (page >= 0) & (page < num_pages)
-        return jnp.where(ok, page, num_pages), slots % s
-
-    src_page, src_off = locate(base[:, None] + src)
-    dst_page, dst_off = locate(base[:, None] + i)
+    src_page, src_off = kv_cache.locate_slots(page_table, base[:, None] + src, num_pages, s)
+    dst_page, dst_off = kv_cache.locate_slots(page_table, base[:, None] + i, num_pages, s)
     move = (i < count[:, None]) & (src != i)
     dst_page = jnp.where(move, dst_page, num_pages)  # not moved -> dropped write
     src_page = jnp.minimum(src_page, num_pages - 1)

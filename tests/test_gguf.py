@@ -15,25 +15,18 @@ from specjax.io.gguf import (
 )
 
 
-def _gguf_path_or_skip():
-    try:
-        return smollm2_gguf_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+@pytest.fixture(scope="module")
+def ours(smollm2_gguf):
+    return load_gguf(smollm2_gguf)
 
 
 @pytest.fixture(scope="module")
-def ours():
-    return load_gguf(_gguf_path_or_skip())
-
-
-@pytest.fixture(scope="module")
-def hf_state():
+def hf_state(smollm2_gguf):
     """transformers' own GGUF loader (dequantizes and reverse-permutes Q/K): the reference."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    path = _gguf_path_or_skip()
+    path = smollm2_gguf
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}

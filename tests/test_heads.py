@@ -9,9 +9,9 @@ import pytest
 import specjax as sj
 from specjax import heads, kv_cache, speculate
 from specjax.config import SpecConfig
-from specjax.heads import Head, HeadConfig, init_head
 from specjax.model import forward
-from tests.conftest import accept_length_counts, mimic_head, noisy_copy, predictable_target, tiny_model
+from tests.conftest import (accept_length_counts, mimic_head, noisy_copy, predictable_target,
+                            random_head, tiny_model)
 from tests.test_speculative import (ALPHA, N_ROWS, PROMPT, PROMPTS, V, _chi2_pvalue, _exact_joint,
                                     cells_of, check_stats_agree)
 
@@ -19,8 +19,7 @@ KINDS = ["mtp", "eagle"]
 
 
 def _head(target, kind, seed=3, scale=0.3):
-    cfg = HeadConfig.for_target(target.config, kind)
-    return Head(init_head(cfg, jax.random.key(seed), scale=scale), cfg)
+    return random_head(target, kind, seed=seed, scale=scale)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import specjax as sj
 from specjax import acceptance, adaptive, ngram, speculate
 from specjax.heads import Head, HeadConfig, init_head
 from specjax.model import lm_head
-from tests.test_speculative import (ALPHA, N_ROWS, PROMPT, PROMPTS, V, _biased_accept_chain,
+from tests.test_speculative import (ALPHA, N_ROWS, PROMPT, PROMPTS, V, _biased_residual,
                                     _chi2_pvalue, _eos_for_staggered_stops, _exact_joint)
 
 K = 3
@@ -231,7 +231,7 @@ def test_ngram_distribution_matches_target(dist_pair):
 def test_ngram_biased_rule_fails_distribution_test(dist_pair, monkeypatch):
     """Negative control: resampling from p (not the residual) at a rejection is detected."""
     target, _ = dist_pair
-    monkeypatch.setattr(acceptance, "accept_chain", _biased_accept_chain)
+    monkeypatch.setattr(acceptance, "accept_chain", _biased_residual)
     jax.clear_caches()
     try:
         cells, _ = _first3(target, method="ngram")

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_attention as pa
+from pallas_kernels import tree_attention as ta
 from specjax import kv_cache
 
 TOLERANCE = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -90,16 +91,8 @@ def random_parents(rng, b, n, roots=1):
 
 
 def tree_mask(parents):
-    """[B, N] parents -> [B, N, N] ancestor-or-self mask (numpy, by walking the chains)."""
-    b, n = parents.shape
-    mask = np.zeros((b, n, n), bool)
-    for i in range(b):
-        for j in range(n):
-            a = j
-            while a >= 0:
-                mask[i, j, a] = True
-                a = parents[i, a]
-    return jnp.asarray(mask)
+    """[B, N] parents -> [B, N, N] ancestor-or-self mask (the walked plain-jnp builder)."""
+    return ta.ancestor_mask_reference(jnp.asarray(parents))
 
 
 def check(got, want, dtype):

@@ -9,23 +9,11 @@ import pytest
 
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import tree_attention as ta
-from specjax import kv_cache
+from specjax import kv_cache, tree
 from tests.test_pallas_paged import (LENGTHS, check, exact, poisoned_case, random_case,
-                                     random_parents, tree_mask)
+                                     random_parents)
 
 reference = exact(ta.tree_attention_reference)
-
-
-def _branches(parents):
-    """Root-to-leaf node lists of one tree."""
-    leaves = sorted(set(range(len(parents))) - set(parents.tolist()))
-    paths = []
-    for leaf in leaves:
-        path = [leaf]
-        while parents[path[-1]] >= 0:
-            path.append(int(parents[path[-1]]))
-        paths.append(path[::-1])
-    return paths
 
 
 class TestTreeAttentionInterpret:
@@ -67,7 +55,7 @@ class TestTreeAttentionInterpret:
         tree_out = np.asarray(ta.tree_attention(q, k, v, pt, start, jnp.asarray(parents), nnew,
                                                 interpret=self.INTERPRET))
         # Branch chains: the prefix then the path's K/V, one sequence per branch.
-        paths = _branches(parents[0])
+        paths = tree.root_to_leaf_paths(parents[0, 1:])  # node 0 is the root
         t = max(len(p) for p in paths)
         keys = np.asarray(kv_cache.gather_layer(k, pt))[0]  # [Hkv, N_slots, D]
         vals = np.asarray(kv_cache.gather_layer(v, pt))[0]
@@ -115,13 +103,14 @@ class TestTreeAttentionGPU(TestTreeAttentionInterpret):
 
 @pytest.mark.parametrize("n", [1, 23])
 def test_ancestor_mask(n):
-    """Doubling mask == walked mask == numpy, for topological and shuffled node orders."""
+    """Doubling mask == walked mask == numpy (``tree.static_structure``), for topological and
+    shuffled node orders."""
     rng = np.random.default_rng(n)
-    parents = random_parents(rng, 3, n, roots=1)
+    parents = random_parents(rng, 3, n, roots=1)  # node 0 is the root, parents[j] < j
     perm = rng.permutation(n)  # relabel nodes: parents need not precede children
     inv = np.argsort(perm)
     shuffled = np.where(parents[:, perm] >= 0, inv[np.maximum(parents[:, perm], 0)], -1)
-    for par in (parents, shuffled.astype(np.int32)):
-        want = np.asarray(tree_mask(par))
+    want = np.stack([tree.static_structure(p[1:])[3] for p in parents])  # [B, N, N]
+    for par, w in ((parents, want), (shuffled.astype(np.int32), want[:, perm][:, :, perm])):
         for fn in (ta.ancestor_mask, ta.ancestor_mask_reference):
-            np.testing.assert_array_equal(np.asarray(jax.jit(fn)(jnp.asarray(par))), want)
+            np.testing.assert_array_equal(np.asarray(jax.jit(fn)(jnp.asarray(par))), w)

@@ -477,9 +477,9 @@ def test_adaptive_flag_reaches_the_spec_config():
 @pytest.mark.slow
 def test_smollm2_with_shipped_head(tmp_path):
     """SmolLM2-135M + the shipped MTP head: chat, streamed and not, equals sj.generate greedy."""
-    from specjax import cli  # noqa: PLC0415
+    from specjax import shipped  # noqa: PLC0415
 
-    if cli.best_shipped("mtp") is None:
+    if shipped.best("mtp") is None:
         pytest.skip("no shipped MTP head")
     try:
         target = sj.load_model("smollm2-135m")

@@ -35,12 +35,8 @@ CHAT = [
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    from specjax.io.gguf import smollm2_gguf_path
-    try:
-        return smollm2_gguf_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def gguf_path(smollm2_gguf):
+    return smollm2_gguf
 
 
 @pytest.fixture(scope="module")

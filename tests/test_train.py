@@ -71,7 +71,7 @@ def test_head_training_learns_and_drafts(setup, kind, norms):
 def test_resume_continues_from_checkpoint(setup):
     target, data, work = setup
     hcfg = HeadConfig.for_target(target.config, "mtp")
-    tc = trainer.TrainConfig(steps=10, batch_size=8, seq_len=32, save_every=5, log_every=1)
+    tc = trainer.TrainConfig(steps=10, batch_size=8, seq_len=32, save_every=3, log_every=1)
 
     def loss_fn(p, tp, tokens, lengths, hidden, plens):
         return trainer.head_loss(p, hcfg, tp, target.config, tokens, lengths, hidden, tc, plens)
@@ -86,19 +86,31 @@ def test_resume_continues_from_checkpoint(setup):
     # resuming restores params + optimizer state + data order: same result as one run
     for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    # orbax states at steps 5 and 10 (the newest two kept)
-    assert sorted(n for n in os.listdir(run) if n.startswith("state-")) == ["state-00000005",
-                                                                             "state-00000010"]
+    # CheckpointManager steps 3, 5 | 6, 9, 10: the newest two kept
+    assert sorted(int(n) for n in os.listdir(os.path.join(run, trainer.STATES))) == [9, 10]
 
 
-def test_legacy_npz_state_resumes(tmp_path):
+def test_legacy_states_resume(tmp_path):
+    """Run dirs written before the CheckpointManager (state.npz, then hand-rotated orbax
+    ``state-<step>`` dirs) still resume; a manager step wins over both."""
+    import orbax.checkpoint as ocp
+
     tree = {"a": np.arange(3.0), "b": [np.ones((2, 2)), np.zeros(1)]}
-    np.savez(tmp_path / "state.npz", step=7,
-             **{f"l{i}": x for i, x in enumerate(jax.tree.leaves(tree))})
+    leaves = jax.tree.leaves(tree)
+    np.savez(tmp_path / "state.npz", step=7, **{f"l{i}": x for i, x in enumerate(leaves)})
     got, step = trainer._load_state(str(tmp_path), tree)
     assert step == 7
-    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(got)):
+    for a, b in zip(leaves, jax.tree.leaves(got)):
         np.testing.assert_array_equal(a, b)
+    with ocp.PyTreeCheckpointer() as ckptr:
+        ckptr.save(str(tmp_path / "state-00000009"), {
+            "step": np.asarray(9, np.int64),
+            "leaves": {f"l{i:04d}": x + 1 for i, x in enumerate(leaves)}})
+    got, step = trainer._load_state(str(tmp_path), tree)
+    assert step == 9 and np.array_equal(got["a"], tree["a"] + 1)
+    trainer._save_state(str(tmp_path), jax.tree.map(lambda x: x + 2, tree), 12)
+    got, step = trainer._load_state(str(tmp_path), tree)
+    assert step == 12 and np.array_equal(got["a"], tree["a"] + 2)
     os.makedirs(tmp_path / "empty")
     assert trainer._load_state(str(tmp_path / "empty"), tree) is None
 

@@ -14,14 +14,12 @@ from specjax.config import SpecConfig
 from specjax.model import forward
 from specjax.sampling import categorical
 from specjax.tree import TreeConfig
-from tests.conftest import (accept_length_counts, mimic_head, predictable_target, tiny_model)
-from tests.test_heads import _head as _random_head
+from tests.conftest import accept_length_counts, mimic_head, predictable_target, random_head, tiny_model
 from tests.test_speculative import (ALPHA, N_ROWS, PROMPT, PROMPTS, V, _chi2_pvalue, _exact_joint,
                                     cells_of, check_stats_agree)
 
 
-def _head(target, kind="eagle", seed=3, scale=0.3):
-    return _random_head(target, kind, seed=seed, scale=scale)
+_head = random_head
 
 
 def _random_parents(rng, n):

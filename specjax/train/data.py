@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import logging
 import time
 
 import jax
@@ -27,8 +28,8 @@ from specjax.model import Model, forward
 from specjax.train.corpora import chat_prompts, wiki_entries
 
 
-def _progress(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+logger = logging.getLogger(__name__)
+_progress = logger.info  # shard-level progress (the CLI shows INFO on stderr)
 
 
 def build_corpus(target: Model, tok, out_dir: str, *, num_prompts: int = 1024,

@@ -7,27 +7,32 @@ match the target's next-token distribution softmax(lm_head(h_{j+1})) (soft cross
 Draft LLMs: KL to the target's next-token distribution at every position, with the target's
 embedding, final norm and lm_head shared and frozen.
 
-Runs are resumable: an orbax checkpoint ``run_dir/state-<step>`` (params + optimizer state +
-step) is written every ``save_every`` steps and at the end (the newest two are kept);
-``run_dir/log.jsonl`` has one line per logged step.
+Runs are resumable: an orbax ``CheckpointManager`` under ``run_dir/states`` saves params +
+optimizer state every ``save_every`` steps and at the end (the newest two are kept; older runs'
+``state-<step>`` / ``state.npz`` still resume); ``run_dir/log.jsonl`` has one line per logged
+step and a tqdm bar shows progress on stderr.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
-import shutil
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm.auto import tqdm
 
 from specjax import heads, kv_cache
 from specjax.model import forward, lm_head, rms_norm
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,44 +165,74 @@ def _optimizer(tc: TrainConfig):
                        optax.adamw(sched, weight_decay=tc.weight_decay))
 
 
-_STATE = re.compile(r"^state-(\d{8})$")
+STATES = "states"  # run_dir/states/<step>: orbax CheckpointManager steps
+_KEEP = 2  # newest checkpoints kept
+_LEGACY_STATE = re.compile(r"^state-(\d{8})$")  # hand-rotated orbax states of older runs
 
 
-def _save_state(run_dir: str, tree, step: int, keep: int = 2) -> None:
-    """Writes params + optimizer state as the orbax checkpoint ``run_dir/state-<step>`` (orbax
-    finalises a checkpoint by renaming its temporary directory, so an interrupted save leaves the
-    previous one intact), then drops all but the newest ``keep``."""
+def _manager(run_dir: str, create: bool = True):
+    """The run's orbax ``CheckpointManager`` (synchronous saves, newest ``_KEEP`` kept; orbax
+    finalises a step by renaming its temporary directory, so an interrupted save leaves the
+    previous one intact)."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
-    leaves = {f"l{i:04d}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(tree))}
-    path = os.path.abspath(os.path.join(run_dir, f"state-{step:08d}"))
-    with ocp.PyTreeCheckpointer() as ckptr:
-        ckptr.save(path, {"step": np.asarray(step, np.int64), "leaves": leaves}, force=True)
-    for old in sorted(n for n in os.listdir(run_dir) if _STATE.match(n))[:-keep]:
-        shutil.rmtree(os.path.join(run_dir, old), ignore_errors=True)
+    opts = ocp.CheckpointManagerOptions(max_to_keep=_KEEP, create=create,
+                                        enable_async_checkpointing=False)
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, STATES)), options=opts)
+
+
+def _leaves(tree) -> dict:
+    return {f"l{i:04d}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(tree))}
+
+
+def _save_state(run_dir: str, tree, step: int) -> None:
+    """Writes params + optimizer state as step ``step`` of the run's CheckpointManager."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    with _manager(run_dir) as mngr:
+        mngr.save(step, args=ocp.args.StandardSave({"leaves": _leaves(tree)}), force=True)
 
 
 def _has_state(run_dir: str) -> bool:
-    return (any(_STATE.match(n) for n in os.listdir(run_dir))
+    return (os.path.isdir(os.path.join(run_dir, STATES))
+            or any(_LEGACY_STATE.match(n) for n in os.listdir(run_dir))
             or os.path.exists(os.path.join(run_dir, "state.npz")))
 
 
-def _load_state(run_dir: str, template):
-    """(tree shaped like ``template``, step) from the newest state in run_dir, or None. Reads a
-    legacy ``state.npz`` when there is no orbax state."""
+def _load_legacy(run_dir: str, n: int):
+    """(leaves, step) of the newest state a run from before the CheckpointManager wrote: an
+    orbax ``state-<step>`` directory or a ``state.npz``; None if there is neither."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
-    n = len(jax.tree.leaves(template))
-    names = sorted(name for name in os.listdir(run_dir) if _STATE.match(name))
+    names = sorted(name for name in os.listdir(run_dir) if _LEGACY_STATE.match(name))
     if names:
         with ocp.PyTreeCheckpointer() as ckptr:
             z = ckptr.restore(os.path.abspath(os.path.join(run_dir, names[-1])))
-        leaves, step = [z["leaves"][f"l{i:04d}"] for i in range(n)], int(z["step"])
-    elif os.path.exists(os.path.join(run_dir, "state.npz")):
+        return [z["leaves"][f"l{i:04d}"] for i in range(n)], int(z["step"])
+    if os.path.exists(os.path.join(run_dir, "state.npz")):
         z = np.load(os.path.join(run_dir, "state.npz"))
-        leaves, step = [z[f"l{i}"] for i in range(n)], int(z["step"])
-    else:
+        return [z[f"l{i}"] for i in range(n)], int(z["step"])
+    return None
+
+
+def _load_state(run_dir: str, template):
+    """(tree shaped like ``template``, step) from the newest state in run_dir, or None (also
+    reads the states of runs written before the CheckpointManager)."""
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    n = len(jax.tree.leaves(template))
+    found = None
+    if os.path.isdir(os.path.join(run_dir, STATES)):
+        with _manager(run_dir, create=False) as mngr:
+            step = mngr.latest_step()
+            if step is not None:
+                z = mngr.restore(step, args=ocp.args.StandardRestore({"leaves": _leaves(template)}))
+                found = [z["leaves"][f"l{i:04d}"] for i in range(n)], int(step)
+    if found is None and os.path.isdir(run_dir):
+        found = _load_legacy(run_dir, n)
+    if found is None:
         return None
+    leaves, step = found
     return jax.tree.unflatten(jax.tree.structure(template), [jnp.asarray(x) for x in leaves]), step
 
 
@@ -243,13 +278,13 @@ def _check_resume(run_dir: str, tc: TrainConfig, signature: dict | None):
 
 
 def fit(loss_fn, trainable, frozen, data, tc: TrainConfig, run_dir: str, describe: str = "",
-        signature: dict | None = None):
+        signature: dict | None = None, progress: bool = True):
     """Generic resumable optax loop.
 
     loss_fn(trainable, frozen, tokens, lengths, hidden, prompt_lens) -> (loss, metrics). ``frozen``
     (the target's params) is a jit argument, never a closure constant (XLA would fold 100+ MB of
     it). Resuming checks that ``tc`` (all but steps / save_every / log_every) and ``signature``
-    match the run in ``run_dir``.
+    match the run in ``run_dir``. ``progress``: a tqdm bar (rate, ETA, latest metrics) on stderr.
     """
     os.makedirs(run_dir, exist_ok=True)
     _check_resume(run_dir, tc, signature)
@@ -259,7 +294,7 @@ def fit(loss_fn, trainable, frozen, data, tc: TrainConfig, run_dir: str, describ
     loaded = _load_state(run_dir, (trainable, opt_state))
     if loaded is not None:
         (trainable, opt_state), start = loaded
-        print(f"resuming {run_dir} at step {start}", flush=True)
+        logger.info("resuming %s at step %d", run_dir, start)
 
     @jax.jit
     def update(trainable, opt_state, frozen, tokens, lengths, hidden, prompt_lens):
@@ -270,21 +305,22 @@ def fit(loss_fn, trainable, frozen, data, tc: TrainConfig, run_dir: str, describ
 
     t0 = time.perf_counter()
     log = open(os.path.join(run_dir, "log.jsonl"), "a")
+    bar = tqdm(total=tc.steps, initial=start, desc=describe or "train", unit="step",
+               file=sys.stderr, disable=not progress)
     step = start
     for step, (tokens, lengths, hidden, plens) in _batches(data, tc, start):
         trainable, opt_state, m = update(trainable, opt_state, frozen, jnp.asarray(tokens),
                                          jnp.asarray(lengths), jnp.asarray(hidden), jnp.asarray(plens))
+        bar.update(1)
         if (step + 1) % tc.log_every == 0 or step == start:
             m = {k: float(v) for k, v in m.items()}
-            el = time.perf_counter() - t0
-            rate = (step + 1 - start) / el
-            print(f"[{describe}] step {step + 1}/{tc.steps} " + " ".join(f"{k}={v:.4f}" for k, v in m.items())
-                  + f" ({rate:.2f} step/s, eta {(tc.steps - step - 1) / max(rate, 1e-9) / 60:.1f} min)",
-                  flush=True)
-            log.write(json.dumps(dict(step=step + 1, time=el, **m)) + "\n")
+            bar.set_postfix({k: f"{v:.4f}" for k, v in m.items()}, refresh=False)
+            log.write(json.dumps(dict(step=step + 1, time=time.perf_counter() - t0, **m)) + "\n")
             log.flush()
         if (step + 1) % tc.save_every == 0:
             _save_state(run_dir, (trainable, opt_state), step + 1)
+    bar.close()
+    log.close()
     if tc.steps > start and tc.steps % tc.save_every:  # the last steps since a periodic save
         _save_state(run_dir, (trainable, opt_state), tc.steps)
     return trainable
