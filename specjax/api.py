@@ -288,8 +288,8 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
     if spec.adaptive:  # the cost model of this device, batch bucket and model (cached)
         if mesh is not None:
             raise ValueError("adaptive=True is not supported with mesh=... yet")
-        from specjax import adaptive as adaptive_mod  # noqa: PLC0415
-        cost = adaptive_mod.measure_costs(
+        from specjax import cost_model  # noqa: PLC0415
+        cost = cost_model.measure_costs(
             target.params, target.config, None if draft is None else draft.params,
             None if draft is None else draft.config, method=method, kmax=k_eff,
             batch=arrays[0].shape[0], context=arrays[0].shape[1], dtype=target.dtype,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax import acceptance, adaptive, ngram, speculate
+from specjax import acceptance, adaptive, cost_model, ngram, speculate
 from specjax.heads import Head, HeadConfig, init_head
 from specjax.model import lm_head
 from tests.test_speculative import (ALPHA, N_ROWS, PROMPT, PROMPTS, V, _biased_residual,
@@ -29,7 +29,7 @@ def fixed_costs(monkeypatch):
     """A cost model that favours speculating first, so the adaptive loop visits several k."""
     def costs(*args, kmax, **kw):
         return [1.0] + [1.2 + 0.1 * k for k in range(1, kmax + 1)]
-    monkeypatch.setattr(adaptive, "measure_costs", costs)
+    monkeypatch.setattr(cost_model, "measure_costs", costs)
 
 
 def _mtp_head(target):

@@ -458,8 +458,8 @@ class Engine:
     def _cost(self, batch: int):
         """The adaptive cost model at this batch bucket (measured once, then cached)."""
         if batch not in self._costs:
-            from specjax import adaptive  # noqa: PLC0415
-            costs = adaptive.measure_costs(
+            from specjax import cost_model  # noqa: PLC0415
+            costs = cost_model.measure_costs(
                 self.target.params, self.target.config, self._draft_params, self._draft_cfg,
                 method=self.config.spec.method, kmax=self.k_eff, batch=batch,
                 context=min(self.config.max_model_len // 2, 256), dtype=self.target.dtype,
