@@ -72,7 +72,7 @@ def measure_costs(target_params, target_cfg, draft_params, draft_cfg, *, method:
     Times the target forward over T = 1..K+1 tokens (with logits) after ``context`` cached
     tokens, and the drafter's one-token and (K+1)-token forwards, at this batch size.
     """
-    from specjax import heads, kv_cache, speculate  # noqa: PLC0415 (speculate imports us)
+    from specjax import heads, kv_cache, speculate  # noqa: PLC0415
 
     key = cost_key(target_cfg, draft_cfg, dtype, batch, method, kmax)
     if key in _COSTS:
