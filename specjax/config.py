@@ -153,14 +153,14 @@ def validate_sampling(temperature, top_k, top_p) -> None:
 class SpecConfig:
     """How a speculative step drafts. Static: changing it recompiles."""
 
-    method: str = "none"  # "none" | "draft" | "mtp" | "eagle" | "eagle-tree"
+    method: str = "none"  # "none" | "draft" | "mtp" | "eagle" | "eagle3" | "eagle-tree"
     num_draft_tokens: int = 4  # k
     draft_sampling: bool = False  # False: point-mass (argmax) drafts; True: sample from q
 
     def __post_init__(self):
-        if self.method not in ("none", "draft", "mtp", "eagle", "eagle-tree"):
-            raise ValueError(
-                f"method must be one of 'none', 'draft', 'mtp', 'eagle', 'eagle-tree'; got {self.method!r}")
+        methods = ("none", "draft", "mtp", "eagle", "eagle3", "eagle-tree")
+        if self.method not in methods:
+            raise ValueError(f"method must be one of {methods}; got {self.method!r}")
         if isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int) \
                 or not 1 <= self.num_draft_tokens <= 64:
             raise ValueError(f"num_draft_tokens must be an int in [1, 64], got {self.num_draft_tokens!r}")

@@ -15,7 +15,9 @@ One speculative step (method "draft", k = num_draft_tokens), all on device:
   5. n += a + 1, last_token = y; tokens go into the output buffer, stopping at EOS/max_new.
 Method "none" is the same loop with a one-token target forward and ordinary sampling.
 
-Methods "mtp" and "eagle" draft with a head fed by target features (specjax.heads). Head
+Methods "mtp", "eagle" and "eagle3" draft with a head fed by target features (specjax.heads;
+EAGLE-3's features are fc(hidden states entering three target layers), collected by the same
+target forward through its ``aux_layers`` argument, no extra pass). Head
 position j consumes (x_{j+1}, f_j) and predicts x_{j+2}; its cache holds positions j <= n-2
 (as many entries as the target's), draft_logits come from position n-2 and predict x_n, and
 head_hidden is the head's own output there. Rollout: d_1 from the carried logits, then d_i from
@@ -53,17 +55,33 @@ def forward(params, cfg, *args, **kw):
     return fn(params, cfg, *args, **kw)
 
 
+def target_forward(params, cfg, *args, aux_layers: tuple = (), **kw):
+    """forward plus the hidden states entering ``aux_layers`` (EAGLE-3 features):
+    (logits, hidden, kv, aux [B, T, A*E] or None when aux_layers is empty)."""
+    if not aux_layers:
+        return (*forward(params, cfg, *args, **kw), None)
+    return forward(params, cfg, *args, aux_layers=aux_layers, **kw)
+
+
+def _aux(lc, draft_cfg) -> tuple:
+    """The target layers a head's features need (EAGLE-3), else ()."""
+    return draft_cfg.aux_layers if lc.uses_head else ()
+
+
 def init_cache(cfg, num_pages, page_size, dtype):
     """The family's paged cache: Llama K/V pools or DeepSeek latent pools."""
     init = deepseek.init_cache if isinstance(cfg, deepseek.DeepseekConfig) else kv_cache.init_cache
     return init(cfg, num_pages, page_size, dtype)
 
 
+HEAD_METHODS = ("mtp", "eagle", "eagle3", "eagle-tree")  # methods drafting with a specjax.heads.Head
+
+
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
     """Static description of a decode loop (a jit static argument)."""
 
-    method: str = "none"  # "none" | "draft" | "mtp" | "eagle" | "eagle-tree"
+    method: str = "none"  # "none" | "draft" | "mtp" | "eagle" | "eagle3" | "eagle-tree"
     k: int = 4  # draft length (ignored for "none"; the tree's depth for "eagle-tree")
     draft_sampling: bool = False  # sample drafts from q (True) or point-mass argmax (False)
     attn_impl: str = "reference"
@@ -83,7 +101,7 @@ class LoopConfig:
 
     @property
     def uses_head(self) -> bool:
-        return self.method in ("mtp", "eagle", "eagle-tree")
+        return self.method in HEAD_METHODS
 
     @property
     def extra_slots(self) -> int:
@@ -203,9 +221,10 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
     positions = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (b, tp))
 
     target_kv = init_cache(target_cfg, num_pages, lc.page_size, kv_dtype)
-    _, hidden, target_kv = forward(target_params, target_cfg, tokens, positions, target_kv,
-                                   page_table, zeros, prompt_lens, attn_impl=lc.attn_impl,
-                                   return_logits=False)
+    _, hidden, target_kv, aux = target_forward(target_params, target_cfg, tokens, positions,
+                                               target_kv, page_table, zeros, prompt_lens,
+                                               attn_impl=lc.attn_impl, return_logits=False,
+                                               aux_layers=_aux(lc, draft_cfg))
     last_h = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]  # [B, E]
     logits = lm_head(target_params, target_cfg, last_h)  # [B, V]
     first = _sample(_step_keys(row_keys, 0, 0), logits, rp)  # [B]
@@ -216,9 +235,9 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
         shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
         shifted = jax.vmap(lambda row, i, t: row.at[i].set(t))(shifted, prompt_lens - 1, first)
         draft_kv = init_cache(draft_cfg.layer, num_pages, lc.page_size, kv_dtype)
-        feats = heads.head_features(target_params, target_cfg, hidden, draft_cfg)
-        hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg, shifted,
-                                          feats, positions, draft_kv, page_table, zeros, prompt_lens,
+        feats = heads.head_features(draft_params, draft_cfg, target_params, target_cfg, hidden, aux)
+        hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, shifted, feats,
+                                          positions, draft_kv, page_table, zeros, prompt_lens,
                                           attn_impl=lc.attn_impl)
         head_hidden = jnp.take_along_axis(hh, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
         draft_logits = heads.head_logits(draft_params, draft_cfg, target_params, target_cfg,
@@ -265,7 +284,7 @@ def _draft_rollout(target_params, target_cfg, draft_params, draft_cfg, state: De
         d, q = pick(logits, i)
         if lc.uses_head:  # head position n-2+i+1 fed its own previous output
             pos = n - 1 + i
-            hh, kv = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg,
+            hh, kv = heads.head_forward(draft_params, draft_cfg, target_params,
                                         d[:, None], feat[:, None], pos[:, None], kv,
                                         state.page_table, pos, attn_impl=lc.attn_impl)
             feat = hh[:, 0]
@@ -312,9 +331,9 @@ def spec_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeS
                                         rp, lc)
         verify_tokens = jnp.concatenate([state.last_token[:, None], d], axis=1)  # [B, K+1]
         positions = (n - 1)[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-        logits, hidden, target_kv = forward(target_params, target_cfg, verify_tokens, positions,
-                                            state.target_kv, state.page_table, n - 1,
-                                            attn_impl=lc.attn_impl)
+        logits, hidden, target_kv, aux = target_forward(
+            target_params, target_cfg, verify_tokens, positions, state.target_kv, state.page_table,
+            n - 1, attn_impl=lc.attn_impl, aux_layers=_aux(lc, draft_cfg))
         a, y = _accept(acc_keys, d, logits, q, rp)  # logits [B, K+1, V]
         idx = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
         emitted = jnp.where(idx == a[:, None], y[:, None], jnp.pad(d, ((0, 0), (0, 1))))  # [B, K+1]
@@ -322,8 +341,9 @@ def spec_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeS
         if lc.uses_head:
             # Shifted verify tokens with y inserted at a, re-run over all k+1 positions with the
             # target's features (static shapes; positions past a are stale and overwritten later).
-            feats = heads.head_features(target_params, target_cfg, hidden, draft_cfg)
-            hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg,
+            feats = heads.head_features(draft_params, draft_cfg, target_params, target_cfg, hidden,
+                                        aux)
+            hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params,
                                               emitted, feats, positions, draft_kv, state.page_table,
                                               n - 1, a + 1, attn_impl=lc.attn_impl)
             h_a = jnp.take_along_axis(hh, a[:, None, None], axis=1)[:, 0]  # [B, E]
@@ -362,7 +382,7 @@ def _tree_step(target_params, target_cfg, draft_params, draft_cfg, state: Decode
     draft_kv = [state.draft_kv]  # threaded through the level-by-level head runs
 
     def head_run(tokens, feats, positions, mask, num_new):
-        hh, draft_kv[0] = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg,
+        hh, draft_kv[0] = heads.head_forward(draft_params, draft_cfg, target_params,
                                              tokens, feats, positions, draft_kv[0], page_table,
                                              n - 1, num_new, mask, attn_impl=lc.attn_impl)
         return hh
@@ -374,9 +394,10 @@ def _tree_step(target_params, target_cfg, draft_params, draft_cfg, state: Decode
                                              head_run, head_logits)  # [B,N], [B,N+1], [B,N+1]
     verify_tokens = jnp.concatenate([state.last_token[:, None], tokens], axis=1)  # [B, N+1]
     positions = (n - 1)[:, None] + depth
-    logits, hidden, target_kv = forward(target_params, target_cfg, verify_tokens, positions,
-                                        state.target_kv, page_table, n - 1,
-                                        new_mask=tree.ancestor_mask(parents), attn_impl=lc.attn_impl)
+    logits, hidden, target_kv, aux = target_forward(
+        target_params, target_cfg, verify_tokens, positions, state.target_kv, page_table, n - 1,
+        new_mask=tree.ancestor_mask(parents), attn_impl=lc.attn_impl,
+        aux_layers=_aux(lc, draft_cfg))
     acc_keys = _step_keys(state.row_keys, state.step, 2)
     a, y, path = _accept_tree(acc_keys, tokens, parents, depth, logits, rp, d_max)  # path [B, D+1]
     path_tokens = jnp.take_along_axis(verify_tokens, path[:, 1:], axis=1)  # [B, D]
@@ -385,9 +406,12 @@ def _tree_step(target_params, target_cfg, draft_params, draft_cfg, state: Decode
     # The accepted path's K/V into cache order (root already sits at n - 1).
     target_kv = tree.copy_slots(target_kv, page_table, n - 1, path, jnp.where(active, a + 1, 0))
     # Head re-run over the accepted path with the target's features (as the chain's shift).
-    feats = heads.head_features(target_params, target_cfg,
-                                jnp.take_along_axis(hidden, path[:, :, None], axis=1), draft_cfg)
-    hh, new_draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg,
+    def on_path(x):  # [B, N+1, .] -> [B, D+1, .] the accepted path's rows
+        return None if x is None else jnp.take_along_axis(x, path[:, :, None], axis=1)
+
+    feats = heads.head_features(draft_params, draft_cfg, target_params, target_cfg,
+                                on_path(hidden), on_path(aux))
+    hh, new_draft_kv = heads.head_forward(draft_params, draft_cfg, target_params,
                                           emitted, feats, (n - 1)[:, None] + idx, draft_kv[0],
                                           page_table, n - 1, a + 1, attn_impl=lc.attn_impl)
     h_a = jnp.take_along_axis(hh, a[:, None, None], axis=1)[:, 0]  # [B, E]

@@ -57,7 +57,7 @@ from specjax.kv_cache import pages_needed
 from specjax.model import Model
 from specjax.speculate import LoopConfig
 
-METHODS = ("none", "draft", "mtp", "eagle", "eagle-tree")
+METHODS = ("none", "draft", "mtp", "eagle", "eagle3", "eagle-tree")
 SCHEDULES = ("sync", "async")
 
 
@@ -198,7 +198,7 @@ class Engine:
 
     Args:
       target: the target Model.
-      draft: a draft Model (method "draft") or a heads.Head (method "mtp" / "eagle"), else None.
+      draft: a draft Model (method "draft") or a heads.Head (method "mtp" / "eagle" / "eagle3"), else None.
       config: EngineConfig (keyword overrides are applied on top).
     """
 

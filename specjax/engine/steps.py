@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import heads, kv_cache, speculate
-from specjax.model import forward, lm_head
+from specjax.model import lm_head
 
 (COL_KIND, COL_SLOT, COL_START, COL_NUM_NEW, COL_FINAL, COL_NEXT, COL_SEED, COL_TEMP, COL_TOP_K,
  COL_TOP_P) = range(10)
@@ -88,7 +88,7 @@ def init_state(target_cfg, draft_cfg, sc: StepConfig, num_pages: int, dtype) -> 
         draft_kv = kv_cache.init_cache(draft_cfg, num_pages, lc.page_size, dtype)
     elif lc.uses_head:
         draft_kv = kv_cache.init_cache(draft_cfg.layer, num_pages, lc.page_size, dtype)
-        head_hidden = jnp.zeros((s1, target_cfg.hidden_size), dtype)
+        head_hidden = jnp.zeros((s1, draft_cfg.layer.hidden_size), dtype)
     if lc.method != "none":
         draft_logits = jnp.zeros((s1, target_cfg.vocab_size), jnp.float32)
     return SlotState(target_kv=target_kv, draft_kv=draft_kv, lengths=jnp.ones((s1,), jnp.int32),
@@ -190,9 +190,10 @@ def _extend(target_params, draft_params, state: SlotState, meta, *, target_cfg, 
     tokens = tokens.at[:, 0].set(jnp.where(is_dec, state.last_token[slot], tokens[:, 0]))
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
 
-    _, hidden, target_kv = forward(target_params, target_cfg, tokens, positions, state.target_kv,
-                                   page_table, start, num_new, attn_impl=lc.attn_impl,
-                                   return_logits=False)
+    _, hidden, target_kv, aux = speculate.target_forward(
+        target_params, target_cfg, tokens, positions, state.target_kv, page_table, start, num_new,
+        attn_impl=lc.attn_impl, return_logits=False,
+        aux_layers=draft_cfg.aux_layers if lc.uses_head else ())
     last_h = jnp.take_along_axis(hidden, (num_new - 1)[:, None, None], axis=1)[:, 0]  # [B, E]
     logits = lm_head(target_params, target_cfg, last_h)  # [B, V]
     pos_new = start + num_new  # position of the sampled token
@@ -208,7 +209,7 @@ def _extend(target_params, draft_params, state: SlotState, meta, *, target_cfg, 
         ext = jnp.concatenate([tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
         ext = jax.vmap(lambda row, i, v: row.at[i].set(v))(ext, num_new, after)
         ext_pos = start[:, None] + jnp.arange(t + 1, dtype=jnp.int32)[None, :]
-        _, dh, draft_kv = forward(draft_params, draft_cfg, ext, ext_pos, draft_kv, page_table, start,
+        _, dh, draft_kv = speculate.forward(draft_params, draft_cfg, ext, ext_pos, draft_kv, page_table, start,
                                   num_new + 1, attn_impl=lc.attn_impl, return_logits=False)
         dh_last = jnp.take_along_axis(dh, num_new[:, None, None], axis=1)[:, 0]
         draft_logits = lm_head(draft_params, draft_cfg, dh_last)
@@ -216,9 +217,9 @@ def _extend(target_params, draft_params, state: SlotState, meta, *, target_cfg, 
         # Head position j consumes (x_{j+1}, f_j): the span shifted left, `after` at its end.
         shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
         shifted = jax.vmap(lambda row, i, v: row.at[i].set(v))(shifted, num_new - 1, after)
-        feats = heads.head_features(target_params, target_cfg, hidden, draft_cfg)
-        hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg, shifted,
-                                          feats, positions, draft_kv, page_table, start, num_new,
+        feats = heads.head_features(draft_params, draft_cfg, target_params, target_cfg, hidden, aux)
+        hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, shifted, feats,
+                                          positions, draft_kv, page_table, start, num_new,
                                           attn_impl=lc.attn_impl)
         head_hidden = jnp.take_along_axis(hh, (num_new - 1)[:, None, None], axis=1)[:, 0]
         draft_logits = heads.head_logits(draft_params, draft_cfg, target_params, target_cfg,
