@@ -93,13 +93,38 @@ def acceptance_eval(target, tok, draft, method: str, ks=(1, 3), num_prompts: int
     return res
 
 
+def init_trainable_head(target, hcfg, seed: int = 0, vocab=None) -> dict:
+    """A head's starting params (without ``draft_vocab``): the block from the target's last layer
+    (a strong start for a next-token predictor). EAGLE-3: the feature half of the midlayer's
+    [2E, .] q/k/v from that layer too (the embedding half random), and its own lm_head starts as
+    the target's output projection on the draft vocabulary ``vocab`` ([Vd] ids, None = all)."""
+    from specjax.heads import init_head, output_matrix  # noqa: PLC0415
+
+    params = init_head(hcfg, jax.random.key(seed), dtype=target.dtype)
+    params.pop("draft_vocab", None)
+    last = target.params["layers"][-1]
+    e = hcfg.layer.hidden_size
+    layer = {}
+    for k, v in params["layer"].items():
+        if k in last and last[k].shape == v.shape:
+            layer[k] = last[k]
+        elif k in ("wq", "wk", "wv") and k in last and v.shape[0] == 2 * last[k].shape[0]:
+            layer[k] = v.at[e:].set(last[k])  # rows: [embedding half; feature half]
+        else:
+            layer[k] = v
+    params["layer"] = layer
+    if hcfg.kind == "eagle3":
+        params["lm_head"] = output_matrix(target.params, target.config, vocab).astype(target.dtype)
+    return params
+
+
 def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: trainer.TrainConfig,
                eval_prompts: int = 8, draft_vocab: int = 0, run_name: str | None = None):
     """Trains a head; ``draft_vocab`` > 0 restricts it to that many of the most frequent answer
     tokens of the training data (plus EOS). An EAGLE-3 head (``kind="eagle3"``, hidden states
     from ``prepare(..., aux_layers=default_aux_layers(L))``) is saved in the reference layout
     (``save_eagle3``: vLLM / SGLang load it); the others in specjax's format."""
-    from specjax.heads import Head, HeadConfig, init_head, output_matrix  # noqa: PLC0415
+    from specjax.heads import Head, HeadConfig  # noqa: PLC0415
     from specjax.io.heads_io import save_eagle3, save_head  # noqa: PLC0415
 
     hcfg = HeadConfig.for_target(target.config, kind, norms=norms)
@@ -110,14 +135,7 @@ def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: tra
         vocab = jnp.asarray(data_lib.draft_vocab(train, draft_vocab, target.config.vocab_size,
                                                  always=() if eos is None else (eos,)))
         hcfg = dataclasses.replace(hcfg, draft_vocab_size=int(vocab.shape[0]))
-    # init the block from the target's last layer (a strong start for a next-token predictor)
-    params = init_head(hcfg, jax.random.key(tc.seed), dtype=target.dtype)
-    params.pop("draft_vocab", None)  # not trained: a closure constant below
-    last = target.params["layers"][-1]
-    params["layer"] = {k: (last[k] if k in last and last[k].shape == v.shape else v)
-                       for k, v in params["layer"].items()}  # (EAGLE-3's [2E, .] q/k/v stay random)
-    if "lm_head" in params:  # EAGLE-3's own lm_head starts as the target's, on the draft vocab
-        params["lm_head"] = output_matrix(target.params, target.config, vocab).astype(target.dtype)
+    params = init_trainable_head(target, hcfg, tc.seed, vocab)
     name = f"{kind}-{'norms' if norms else 'nonorms'}" + (f"-v{draft_vocab}" if vocab is not None else "")
 
     def with_vocab(p):
