@@ -456,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--file", help="a file with one prompt per line")
-    gen.add_argument("--method", choices=["none", "draft", "mtp", "eagle", "eagle-tree"],
+    gen.add_argument("--method", choices=["none", "draft", "mtp", "eagle", "eagle3", "eagle-tree"],
                      default=None,
                      help="none = plain decoding; eagle-tree = a head drafting an EAGLE-2 "
                           "dynamic tree (--tree-*); default: the best shipped draft's method")

@@ -134,10 +134,12 @@ class Head:
 def init_head(cfg: HeadConfig, key, dtype=jnp.float32, scale: float = 0.02) -> dict:
     """Random head params (the block initialised like a model layer, norms at 1)."""
     e = cfg.layer.hidden_size
-    k1, k2, k3, k4 = jax.random.split(key, 4)
+    k1, k2 = jax.random.split(key)
     layer = init_params(cfg.layer, k1, dtype, scale)["layers"][0]
     if cfg.kind == "eagle3":  # fc, a midlayer attending over [2E] inputs, its own lm_head
-        hd, hkvd = cfg.layer.num_heads * cfg.layer.head_dim, cfg.layer.num_kv_heads * cfg.layer.head_dim
+        lc = cfg.layer
+        hd, hkvd = lc.num_heads * lc.head_dim, lc.num_kv_heads * lc.head_dim
+        k3, k4 = jax.random.split(jax.random.fold_in(key, 3))
         wk = jax.random.split(k3, 3)
         layer.update(wq=(scale * jax.random.normal(wk[0], (2 * e, hd))).astype(dtype),
                      wk=(scale * jax.random.normal(wk[1], (2 * e, hkvd))).astype(dtype),
