@@ -117,8 +117,7 @@ print(f"\\nreplayed mean accepted length {replayed:.2f} vs generate's stats {out
                           "do not predict the final distribution); the trained heads in "
                           "`checkpoints/` and notebook 02 do better. Notebook 03 turns acceptance "
                           "into speedup."),
-        new_markdown_cell("## Loading a published EAGLE-3 head
-EAGLE-3 heads (SafeAILab/EAGLE, "
+        new_markdown_cell("## Loading a published EAGLE-3 head\nEAGLE-3 heads (SafeAILab/EAGLE, "
                           "SpecForge; the format vLLM and SGLang serve) are directories with a "
                           "`config.json` naming `LlamaForCausalLMEagle3` and `model.safetensors` "
                           "(`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`), made for one "

@@ -273,6 +273,14 @@ def test_save_load_round_trip_and_torch_reference_reads_ours(hf_target, target, 
     assert sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool
     _assert_parity(sj.draft_logits(target, head, IDS),
                    reference_draft_logits(sd, cfg, hf_target[0], IDS), _draft_vocab(1))
+    # the CLI: a reference directory -> a specjax head checkpoint -> the reference layout again
+    from specjax import cli
+    assert cli.main(["convert", accepting[1], str(tmp_path / "ck"), "--target", hf_target[1],
+                     "--no-progress"]) == 0
+    assert cli.main(["convert", str(tmp_path / "ck"), str(tmp_path / "hf"), "--to", "hf",
+                     "--target", hf_target[1], "--no-progress"]) == 0
+    for name in ("fc.weight", "lm_head.weight", "d2t", "t2d"):
+        assert torch.equal(load_file(str(tmp_path / "hf" / "model.safetensors"))[name], sd[name])
     # our own format too
     heads_io.save_head(head, str(tmp_path / "ours"))
     ours = sj.load_draft(str(tmp_path / "ours"), target=target)

@@ -239,7 +239,8 @@ def test_head_training_with_reduced_vocab(setup):
     def exact(p, *a):
         return loss_fn(p, *a, exact=True)
 
-    params = init_trainable_head(target, hcfg, 0, vocab)
+    params = init_head(hcfg, jax.random.key(0))
+    params.pop("draft_vocab")
     before = trainer.evaluate(exact, params, target.params, data, 16, 32)
     params = trainer.fit(loss_fn, params, target.params, data, tc, str(work / "run-vocab"))
     after = trainer.evaluate(exact, params, target.params, data, 16, 32)
