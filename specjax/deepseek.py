@@ -30,9 +30,10 @@ Params layout (weights [in, out])::
 Dq = Dn + Dr; X routed experts; Fm moe_intermediate_size; Fs = Fm * n_shared_experts. A layer is
 MoE exactly when its dict has a "router" (so the MTP block needs no extra flag).
 
-MoE: every routed expert runs on every token and is weighted by the (sparse) combine weights
-[N, X] — exact, simple, and shardable over an expert mesh axis (each device computes its experts,
-one reduction combines them); a sort/ragged dispatch is the production-scale path.
+MoE: ``route`` (DeepSeek's V2 / V3 routing) gives each token's top-k experts and weights;
+``specjax.moe.moe_ffn`` runs them as a grouped dispatch (tokens sorted by expert, grouped
+matmuls), over an ``ep`` mesh axis with all-to-alls when the config's ``expert_parallel`` says
+so (``with_expert_parallel``); shared experts are a plain MLP added here.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from specjax import attention as attn_lib
 from specjax import kv_cache
+from specjax import moe as moe_lib
 from specjax.model import check_aux_layers, embed, lm_head, rms_norm
 
 
@@ -105,6 +107,9 @@ class DeepseekConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     num_mtp_layers: int = 0
     moe_micro_batches: int = 1  # 2: MoE layers run the tokens as two equal halves
+    # Routed experts split over a mesh axis (all-to-all dispatch); None: one device / the SPMD
+    # partitioner. Set by ``with_expert_parallel``; not part of the saved config.
+    expert_parallel: moe_lib.ExpertParallel | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
@@ -124,6 +129,14 @@ class DeepseekConfig:
                              f"{self.n_routed_experts} and be >= topk_group {self.topk_group}")
         if self.moe_micro_batches not in (1, 2):
             raise ValueError(f"moe_micro_batches must be 1 or 2, got {self.moe_micro_batches}")
+        ep = self.expert_parallel
+        if ep is not None:
+            if not isinstance(ep, moe_lib.ExpertParallel):
+                raise TypeError(f"expert_parallel must be a specjax.moe.ExpertParallel or None, "
+                                f"got {type(ep).__name__}")
+            if self.n_routed_experts % ep.size:
+                raise ValueError(f"expert_parallel: {ep.axis}={ep.size} must divide "
+                                 f"n_routed_experts={self.n_routed_experts}")
 
     # The Llama config's names that shared code reads (api, heads, paged-cache sizing).
     @property
@@ -158,7 +171,10 @@ class DeepseekConfig:
                                    first_k_dense_replace=0 if self.is_moe_layer(self.num_layers) else 1)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The saved fields (a placement, ``expert_parallel``, is not saved)."""
+        d = dataclasses.asdict(dataclasses.replace(self, expert_parallel=None))
+        del d["expert_parallel"]
+        return d
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any] | Any, **overrides) -> "DeepseekConfig":
@@ -373,15 +389,10 @@ def _mlp(x, w_gate, w_up, w_down):
 
 
 def _moe_tokens(lp, cfg: DeepseekConfig, x):
-    """x: [N, E] -> [N, E]: routed experts (dense over X, sparse weights) + shared experts."""
+    """x: [N, E] -> [N, E]: routed experts (grouped dispatch, ``specjax.moe``) + shared experts."""
     w, idx = route(lp, cfg, x)
-    combine = jnp.sum(jax.nn.one_hot(idx, cfg.n_routed_experts, dtype=jnp.float32) * w[..., None],
-                      axis=1)  # [N, X]
-    gate = jnp.einsum("ne,xef->nxf", x, lp["we_gate"])
-    up = jnp.einsum("ne,xef->nxf", x, lp["we_up"])
-    routed = jnp.einsum("nxf,xfe,nx->ne", jax.nn.silu(gate) * up, lp["we_down"],
-                        combine.astype(x.dtype))
-    out = routed
+    out = moe_lib.moe_ffn(x, idx, w, lp["we_gate"], lp["we_up"], lp["we_down"],
+                          expert_parallel=cfg.expert_parallel)
     if "ws_gate" in lp:
         out = out + _mlp(x, lp["ws_gate"], lp["ws_up"], lp["ws_down"])
     return out
@@ -526,6 +537,16 @@ def make_mesh(tp: int = 1, ep: int = 1, devices=None) -> Mesh:
     if tp * ep > len(devices):
         raise ValueError(f"tp * ep = {tp * ep} exceeds the {len(devices)} available devices")
     return Mesh(np.asarray(devices[:tp * ep]).reshape(tp, ep), MESH_AXES)
+
+
+def with_expert_parallel(cfg: DeepseekConfig, mesh: Mesh) -> DeepseekConfig:
+    """The config whose MoE layers dispatch over ``mesh``'s ep axis with all-to-alls (expert
+    weights placed by ``param_specs``; their hidden dim over tp when tp divides it). Without it a
+    sharded model still runs, the SPMD partitioner gathering the expert weights."""
+    tp = mesh.shape["tp"]
+    split_f = tp > 1 and cfg.moe_intermediate_size % tp == 0  # as layer_specs places them
+    return dataclasses.replace(cfg, expert_parallel=moe_lib.ExpertParallel(
+        mesh, "ep", "tp" if split_f else None))
 
 
 def layer_specs(lp: dict, cfg: DeepseekConfig, tp: int, ep: int) -> dict:

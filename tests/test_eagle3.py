@@ -355,8 +355,8 @@ def test_no_host_sync_inside_the_loop(monkeypatch, target, accepting):
 
 def test_engine_with_an_eagle3_head_equals_plain(target, plain, accepting):
     engine = Engine(target, accepting[0], EngineConfig(
-        method="eagle3", num_draft_tokens=3, max_slots=4, batch_buckets=(4,), token_buckets=(8,),
-        max_model_len=48, page_size=4))
+        sj.SpecConfig(method="eagle3", num_draft_tokens=3, page_size=4), max_slots=4,
+        batch_buckets=(4,), token_buckets=(8,), max_model_len=48))
     handles = [engine.submit(p, RequestParams(max_tokens=NEW, stop_token_ids=())) for p in PROMPTS]
     engine.run()
     assert [h.result() for h in handles] == plain
