@@ -67,7 +67,7 @@ def run_engine(target, draft, method, batch, prompts, args, token_bucket):
     longest = max(map(len, prompts))
     eng = Engine(target, draft, EngineConfig(
         SpecConfig(method=method, num_draft_tokens=args.k, page_size=16), max_slots=batch,
-        batch_buckets=(batch,), token_buckets=(token_bucket,),
+        token_buckets=(token_bucket,),  # batch buckets: powers of two <= B (small prefill steps)
         max_model_len=longest + args.max_tokens))
     eng.warmup()
     params = RequestParams(max_tokens=args.max_tokens, stop_token_ids=())

@@ -149,6 +149,11 @@ def check_draft(draft, target: Model, method: str = "draft") -> None:
             raise ValueError('a draft was given with method="none": pass method="draft", "mtp", '
                              '"eagle" or "eagle3" to speculate with it, or drop the draft')
         return
+    if method == "ngram":
+        if draft is not None:
+            raise ValueError('method="ngram" drafts from the context and needs no draft: drop '
+                             'draft=..., or use hybrid_min=... with method "draft", "mtp" or "eagle"')
+        return
     if draft is None:
         raise ValueError(f'method="{method}" needs a draft (draft=...)')
     if method in speculate.HEAD_METHODS:
@@ -297,7 +302,8 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
              num_draft_tokens: int = 4, temperature=0.0, top_k=0, top_p=1.0, seed: int = 0,
              eos_token_id=None, *, tokenizer=None, draft_sampling: bool = False,
              page_size: int = 16, attn_impl: str = "reference", tree=None,
-             spec: SpecConfig | None = None, mesh=None) -> GenerateOutput:
+             spec: SpecConfig | None = None, mesh=None, ngram_min: int = 1, ngram_max: int = 3,
+             hybrid_min: int = 0, adaptive: bool = False) -> GenerateOutput:
     """Generates continuations for a batch of prompts, speculatively or plainly.
 
     The whole generation (prefill + every step) is one jitted call with a ``lax.while_loop`` on
@@ -311,7 +317,9 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
       draft: the draft Model for method "draft"; a specjax.heads.Head for "mtp" / "eagle".
       method: "none" (plain decoding, the baseline), "draft" (a separate draft LLM), "mtp",
         "eagle" or "eagle3" (a head fed by the target's hidden states, drafting a chain; the
-        head's kind must match), "eagle-tree" (any head drafts a tree, see ``tree``).
+        head's kind must match), "eagle-tree" (any head drafts a tree, see ``tree``), "ngram"
+        (prompt lookup: no draft model; the tokens that followed the longest earlier match of
+        the row's suffix, see specjax.ngram).
       num_draft_tokens: k, the draft length (1..64).
       temperature, top_k, top_p: sampling settings, scalars or one per prompt. temperature 0 is
         greedy; top_k 0 and top_p 1.0 disable those filters.
@@ -324,8 +332,15 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         (or a ``sharding.ShardingPlan`` choosing the draft's placement); None: one device.
       tree: specjax.tree.TreeConfig for method "eagle-tree" (default: the EAGLE-2 dynamic tree,
         depth 4, top_k 4, 16 nodes); num_draft_tokens is ignored there.
+      ngram_min, ngram_max: suffix-match lengths searched by n-gram drafting (1 <= min <= max).
+      hybrid_min: with method "draft" / "mtp" / "eagle", rows whose history has an n-gram match of
+        at least this many tokens draft by n-gram lookup in the same verify pass (0 = off).
+      adaptive: choose k in {0 (plain step), 1..num_draft_tokens} on device every step from the
+        recent acceptance and a cost model measured on this device (specjax.adaptive); the
+        chosen-k histogram is in stats["k_histogram"].
       spec: a whole ``specjax.SpecConfig`` instead of method / num_draft_tokens / draft_sampling /
-        tree / attn_impl / page_size (which must then keep their defaults).
+        tree / attn_impl / page_size / ngram_min / ngram_max / hybrid_min / adaptive
+        (which must then keep their defaults).
     Returns:
       GenerateOutput with .tokens (list[list[int]]) and .stats (acceptance_rate,
       mean_accepted_length, per_position_acceptance, steps, tokens_per_second, host_syncs, ...).
@@ -335,7 +350,8 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
     # 1. validate
     spec = _spec_config(spec, method=method, num_draft_tokens=num_draft_tokens,
                         draft_sampling=draft_sampling, tree=tree, attn_impl=attn_impl,
-                        page_size=page_size)
+                        page_size=page_size, ngram_min=ngram_min, ngram_max=ngram_max,
+                        hybrid_min=hybrid_min, adaptive=adaptive)
     method = spec.method
     req = _validate(target, draft, spec, prompts, max_new_tokens, temperature, top_k, top_p, seed,
                     eos_token_id, tokenizer)
@@ -344,13 +360,24 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
     run, arrays, sizes = _pack(target.config, spec, req, mesh)
     b, k_eff = len(req.rows), spec.k_eff
     # 3. run: one jitted call, one host read
+    if spec.adaptive:  # the cost model of this device, batch bucket and model (cached)
+        if mesh is not None:
+            raise ValueError("adaptive=True is not supported with mesh=... yet")
+        from specjax import adaptive as adaptive_mod  # noqa: PLC0415
+        cost = adaptive_mod.measure_costs(
+            target.params, target.config, None if draft is None else draft.params,
+            None if draft is None else draft.config, method=method, kmax=k_eff,
+            batch=arrays[0].shape[0], context=arrays[0].shape[1], dtype=target.dtype,
+            page_size=spec.page_size, attn_impl=spec.attn_impl)
+        arrays = arrays + (jnp.asarray(cost, jnp.float32),)
     reads_before = host_reads()
     t0 = time.perf_counter()
     result = run(
         target.params, None if draft is None else draft.params, *arrays,
         target_cfg=target.config, draft_cfg=None if draft is None else draft.config, lc=spec,
         **sizes)
-    out_tokens, num_out, acc_pos, row_steps, steps = _to_host(result)
+    out_tokens, num_out, acc_pos, row_steps, steps, *extra = _to_host(result)
+    extra = extra[0] if extra else {}
     elapsed = time.perf_counter() - t0
     toks = [out_tokens[i, :num_out[i]].tolist() for i in range(b)]
     total = int(num_out[:b].sum())
@@ -369,6 +396,13 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         "tokens_per_second": total / elapsed if elapsed > 0 else float("inf"),
         "host_syncs": host_reads() - reads_before,
     }
+    if spec.method == "ngram" or spec.adaptive or spec.hybrid_min:
+        # Fewer drafts than row_steps * k were proposed (no match, or a smaller k was chosen).
+        drafted = int(extra.get("drafted", 0))
+        stats["drafted_tokens"] = drafted
+        stats["acceptance_rate"] = accepted / drafted if drafted else float("nan")
+    if "k_hist" in extra:
+        stats["k_histogram"] = [int(c) for c in extra["k_hist"]]
     texts = None
     if tokenizer is not None:
         texts = [tokenizer.decode(t) for t in toks]
@@ -376,7 +410,8 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
 
 
 _SPEC_DEFAULTS = dict(method="none", num_draft_tokens=4, draft_sampling=False, tree=None,
-                      attn_impl="reference", page_size=16)
+                      attn_impl="reference", page_size=16, ngram_min=1, ngram_max=3, hybrid_min=0,
+                      adaptive=False)
 
 
 def _spec_config(spec, **fields) -> SpecConfig:

@@ -7,7 +7,9 @@ Cases (greedy, EOS off, every row generates exactly ``max_new_tokens``):
                     plus HF's default adaptive schedule); prompt lookup (``prompt_lookup_num_tokens``).
                     HF runs assisted generation and prompt lookup at batch 1 only.
   specjax           plain (``method="none"``); the draft LLM (``method="draft"``); the MTP and
-                    EAGLE heads (``method="mtp"`` / ``"eagle"``) when given.
+                    EAGLE heads (``method="mtp"`` / ``"eagle"``) when given; n-gram prompt lookup
+                    (``method="ngram"``, beside HF's prompt lookup at the same k); optionally each
+                    method with ``adaptive=True`` (k chosen on device per step).
 
 Batch 1 runs the prompts one after another; the batched run puts ``batch`` prompts in one call
 (HF: left padding + attention mask; specjax: ragged prompts). Timing: one warm-up per case
@@ -138,23 +140,31 @@ class Case:
     batched: bool = True  # can run a batch > 1
 
 
-def specjax_cases(target, n_new: int, drafts: dict, ks: dict) -> list[Case]:
-    """specjax plain + one case per draft. drafts: {method: (draft, description)}."""
+def specjax_cases(target, n_new: int, drafts: dict, ks: dict, adaptive: bool = False) -> list[Case]:
+    """specjax plain + one case per draft (+ its adaptive twin). drafts: {method: (draft,
+    description)}; method "ngram" takes draft None."""
     import specjax as sj  # noqa: PLC0415
 
-    def runner(method, draft, k):
+    def runner(method, draft, k, adapt=False):
         def run(prompts):
             out = sj.generate(target, prompts, max_new_tokens=n_new, draft=draft, method=method,
-                              num_draft_tokens=k, temperature=0.0, eos_token_id=[])
+                              num_draft_tokens=k, temperature=0.0, eos_token_id=[],
+                              adaptive=adapt)
             s = out.stats
-            return out.tokens, {"row_steps": s["row_steps"],
-                                "accepted": (s["mean_accepted_length"] - 1) * s["row_steps"]}
+            extra = {"row_steps": s["row_steps"],
+                     "accepted": (s["mean_accepted_length"] - 1) * s["row_steps"]}
+            if "k_histogram" in s:
+                extra["k_histogram"] = s["k_histogram"]
+            return out.tokens, extra
         return run
 
     cases = [Case("specjax plain", "specjax", "plain", "-", 0, runner("none", None, 1))]
     for method, (draft, desc) in drafts.items():
         cases.append(Case(f"specjax {method}", "specjax", method, desc, ks[method],
                           runner(method, draft, ks[method])))
+        if adaptive:
+            cases.append(Case(f"specjax {method} adaptive", "specjax", f"{method} adaptive", desc,
+                              ks[method], runner(method, draft, ks[method], True)))
     return cases
 
 
@@ -274,6 +284,9 @@ def measure(cases: list[Case], prompts: list, batch: int, repeats: int = 3, wait
             steps = sum(e.get("row_steps", 0) for e in d["extra"])
             if steps and c.k:
                 d["mean_accepted_length"] = 1 + sum(e["accepted"] for e in d["extra"]) / steps
+            hists = [e["k_histogram"] for e in d["extra"] if "k_histogram" in e]
+            if hists:  # adaptive: steps per chosen k, summed over the last round's calls
+                d["k_histogram"] = [int(sum(col)) for col in zip(*hists)]
             fc = [f for f in d["foreign_cpu"] if f is not None]
             d["max_foreign_cpu"] = max(fc) if fc else None
             del d["extra"]
@@ -372,15 +385,16 @@ def run(target, prompts: list, *, num_prompts: int | None = None, max_new_tokens
         drafts: dict | None = None, ks: dict | None = None, hf: bool = True,
         hf_draft_method: str = "draft", prompt_lookup_k: int = 0, wait_idle_s: float = 0.0,
         work: str | None = None, progress: bool = True, cost_model: bool = True,
-        hf_device: str = "cpu") -> dict:
+        hf_device: str = "cpu", adaptive: bool = False) -> dict:
     """Runs the comparison and returns a JSON-able report (with ``table_md``).
 
     Args:
       target: a specjax Model (float32 for the HF comparison).
       prompts: token-id lists: batch 1 runs the first ``num_prompts`` (default: all) one at a
         time, the batched run the first ``batch`` in one call.
-      drafts: {method: (draft, description)} for methods "draft", "mtp", "eagle"; the "draft"
-        entry (a draft LLM) is also HF's assistant model.
+      drafts: {method: (draft, description)} for methods "draft", "mtp", "eagle" and "ngram"
+        (draft None); the "draft" entry (a draft LLM) is also HF's assistant model.
+      adaptive: also run every specjax method with ``adaptive=True``.
       ks: draft length per method.
       hf: include the HF transformers cases (needs torch).
     """
@@ -396,7 +410,7 @@ def run(target, prompts: list, *, num_prompts: int | None = None, max_new_tokens
         cases += hf_cases(target, max_new_tokens, draft=None if dr is None else dr[0],
                           draft_desc="-" if dr is None else dr[1], k=ks.get(hf_draft_method, 2),
                           prompt_lookup_k=prompt_lookup_k, work=work, device=hf_device)
-    cases += specjax_cases(target, max_new_tokens, drafts, ks)
+    cases += specjax_cases(target, max_new_tokens, drafts, ks, adaptive)
     results = measure(cases, prompts[:num_prompts or len(prompts)], batch, repeats, wait_idle_s,
                       progress, batch_prompts=prompts[:batch])
     compare_outputs(results)
@@ -456,7 +470,10 @@ def add_arguments(p, *, max_new_tokens=32, num_prompts=4, batch=4, repeats=2, ou
     p.add_argument("--k-mtp", type=int, default=1, help="draft length for the MTP head")
     p.add_argument("--k-eagle", type=int, default=1, help="draft length for the EAGLE head")
     p.add_argument("--prompt-lookup", type=int, default=3,
-                   help="HF prompt lookup k (prompt_lookup_num_tokens; 0 = skip)")
+                   help="k of HF prompt lookup (prompt_lookup_num_tokens) and of specjax's n-gram "
+                        "drafting (method ngram) beside it; 0 = skip both")
+    p.add_argument("--adaptive", action="store_true",
+                   help="also run each specjax method with adaptive k (chosen on device per step)")
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     p.add_argument("--num-prompts", type=int, default=num_prompts,
                    help="held-out chat prompts, run one at a time for batch 1")
@@ -522,6 +539,8 @@ def run_from_args(args) -> dict:
         head = _resolve_head(target, arg, name)
         if head is not None:
             drafts[method], ks[method] = head, k
+    if args.prompt_lookup:
+        drafts["ngram"], ks["ngram"] = (None, "prompt n-grams"), args.prompt_lookup
     from specjax.train.corpora import chat_prompts  # noqa: PLC0415
 
     n = max(args.num_prompts, args.batch)
@@ -529,7 +548,8 @@ def run_from_args(args) -> dict:
     report = run(target, prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                  batch=args.batch, repeats=args.repeats, drafts=drafts, ks=ks, hf=args.hf,
                  prompt_lookup_k=args.prompt_lookup, wait_idle_s=args.wait_idle, work=args.work,
-                 progress=args.progress, cost_model=args.cost_model)
+                 progress=args.progress, cost_model=args.cost_model,
+                 adaptive=getattr(args, "adaptive", False))
     report["sample_output"] = tok.decode(report["results"]["batch1"]["specjax plain"]["tokens"][0])
     if args.out:
         dump(report, args.out)

@@ -88,14 +88,16 @@ def _load(args):
     target = sj.load_model(args.model)
     tok = sj.load_tokenizer(args.tokenizer or args.model)
     draft, draft_name = None, None
-    if args.method != "none":
+    if args.method == "ngram" and not args.draft:
+        draft_name = "n-gram lookup (no draft model)"
+    elif args.method != "none":
         if args.draft:
             draft, draft_name = sj.load_draft(args.draft, target=target), args.draft
             args.method = args.method or ("draft" if isinstance(draft, sj.Model) else draft.config.kind)
         else:
             draft, draft_name, args.method = default_draft(target, args.method)
     if args.k is None:
-        args.k = 1 if args.method == "mtp" else 4
+        args.k = 1 if args.method == "mtp" and not args.adaptive else (3 if args.method == "ngram" else 4)
     args.draft_name = draft_name
     _log(f"loaded {args.model} ({target.config.num_layers} layers) in "
          f"{time.perf_counter() - t0:.1f}s" + (f"; draft: {draft_name}" if draft_name else ""))
@@ -112,14 +114,26 @@ def _tree(args, method):
                       num_nodes=getattr(args, "tree_nodes", 16))
 
 
-def _run(target, prompts, draft, args, method, warmup: bool = True, bar=None):
+def _spec_kw(args, method, adaptive=None, k=None) -> dict:
+    """The n-gram / hybrid / adaptive settings of --ngram-*, --hybrid-min, --adaptive."""
+    if method == "none":
+        return {}
+    adaptive = args.adaptive if adaptive is None else adaptive
+    return dict(num_draft_tokens=k or args.k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                hybrid_min=args.hybrid_min if method in ("draft", "mtp", "eagle", "eagle3") else 0,
+                adaptive=adaptive and method != "eagle-tree")
+
+
+def _run(target, prompts, draft, args, method, warmup: bool = True, bar=None, adaptive=None,
+         k=None):
     """One generation; with ``warmup`` a first run compiles so the second is timed cleanly."""
     import specjax as sj  # noqa: PLC0415
 
     kw = dict(max_new_tokens=args.max_new_tokens, draft=draft, method=method,
               num_draft_tokens=args.k, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed, tree=_tree(args, method))
-    label = "plain" if method == "none" else method
+    kw.update(_spec_kw(args, method, adaptive, k))
+    label = ("plain" if method == "none" else method) + (" adaptive" if kw.get("adaptive") else "")
     if warmup:
         if bar is not None:
             bar.set_postfix_str(f"{label}: compiling (warm-up run)")
@@ -154,7 +168,8 @@ def stream_generate(target, tok, prompts, draft, args, method, write, begin=None
         width *= 2
     slots = min(len(prompts), 8)
     engine = Engine(target, draft, EngineConfig(
-        SpecConfig(method=method, num_draft_tokens=args.k, tree=_tree(args, method)),
+        SpecConfig(method=method, tree=_tree(args, method),
+                   **{"num_draft_tokens": args.k, **_spec_kw(args, method)}),
         max_slots=slots, batch_buckets=(slots,), token_buckets=(width,),
         max_model_len=min(longest + args.max_new_tokens, target.config.max_position_embeddings),
         seed=args.seed))
@@ -187,14 +202,17 @@ def stream_generate(target, tok, prompts, draft, args, method, write, begin=None
 def cmd_demo(args) -> int:
     target, tok, draft = _load(args)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in DEMO_PROMPTS]
-    with _bar(4, "demo", args.progress) as bar:  # plain and speculative: warm-up + timed each
+    k_adapt = max(args.k, 3)  # adaptive speculation picks k in 0..k_adapt every step
+    with _bar(6, "demo", args.progress) as bar:  # plain, fixed k, adaptive: warm-up + timed each
         plain = _run(target, prompts, None, args, "none", bar=bar)
         spec = _run(target, prompts, draft, args, args.method, bar=bar)
+        adapt = _run(target, prompts, draft, args, args.method, bar=bar, adaptive=True, k=k_adapt)
     same = plain.tokens == spec.tokens
     if args.json == "-":
         _write_json({"answers": [tok.decode(t).strip() for t in spec.tokens],
                      "prompts": list(DEMO_PROMPTS), "plain": plain.stats, "speculative": spec.stats,
-                     "identical": same, "draft": args.draft_name,
+                     "adaptive": adapt.stats, "identical": same,
+                     "adaptive_identical": plain.tokens == adapt.tokens, "draft": args.draft_name,
                      "speedup": spec.stats["tokens_per_second"] / plain.stats["tokens_per_second"]},
                     "-")
         return 0
@@ -211,9 +229,17 @@ def cmd_demo(args) -> int:
     print(f"speculative tokens/s       {s['tokens_per_second']:.1f}")
     print(f"speedup                    {s['tokens_per_second'] / p['tokens_per_second']:.2f}x")
     print(f"host syncs per generation  {s['host_syncs']}")
+    a = adapt.stats
+    print(f"\n--- adaptive speculation (k chosen on device each step in 0..{k_adapt}) ---")
+    print(f"outputs identical to plain decoding: {plain.tokens == adapt.tokens}")
+    print("steps per chosen k         " + "  ".join(f"k={i}: {c}" for i, c in
+                                                    enumerate(a["k_histogram"])))
+    print(f"mean accepted length       {a['mean_accepted_length']:.2f} tokens / target step")
+    print(f"adaptive tokens/s          {a['tokens_per_second']:.1f}")
+    print(f"speedup                    {a['tokens_per_second'] / p['tokens_per_second']:.2f}x")
     if args.json:
-        _write_json({"plain": p, "speculative": s, "identical": same, "draft": args.draft_name},
-                    args.json)
+        _write_json({"plain": p, "speculative": s, "adaptive": a, "identical": same,
+                     "draft": args.draft_name}, args.json)
     return 0
 
 
@@ -439,6 +465,16 @@ def _common(p):
     p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=None,
                    help="draft length k (default: 1 for MTP heads, the one-token MTP case; else 4)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--adaptive", action="store_true",
+                   help="pick k in 0..k on device every step from recent acceptance and a cost "
+                        "model measured at warm-up (k = 0: a plain step)")
+    p.add_argument("--ngram-min", type=int, default=1,
+                   help="n-gram lookup: shortest suffix match (default: %(default)s)")
+    p.add_argument("--ngram-max", type=int, default=3,
+                   help="n-gram lookup: longest suffix match (default: %(default)s)")
+    p.add_argument("--hybrid-min", type=int, default=0,
+                   help="with a draft/head: rows with an n-gram match this long draft by lookup "
+                        "(0 = off)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
@@ -453,6 +489,8 @@ EPILOG = """examples:
   specjax demo                                   # SmolLM2 + shipped head: answers, acceptance, speedup
   specjax generate --prompt "Why is the sky blue?" --stream
   specjax generate --file prompts.txt --method draft --draft checkpoints/smollm2-draft -k 3 --json
+  specjax generate --prompt "Rewrite: ..." --method ngram -k 3    # prompt lookup, no draft model
+  specjax generate --prompt "Why is the sky blue?" --adaptive -k 4  # k chosen per step on device
   specjax serve --port 8000                      # OpenAI-compatible server, SmolLM2 + shipped head
   specjax bench                                  # specjax vs HF transformers, small settings
   specjax convert smollm2-135m out/smollm2 --to hf        # our weights -> transformers dir
@@ -473,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "a warm-up run, then timed) and prints the answers, acceptance per draft "
                     "position, tokens/s of both and the speedup.")
     _common(demo)
-    demo.add_argument("--method", choices=["draft", "mtp", "eagle"], default=None,
+    demo.add_argument("--method", choices=["draft", "mtp", "eagle", "ngram"], default=None,
                       help="default: the best shipped draft (MTP head first)")
 
     gen = sub.add_parser(
@@ -488,10 +526,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--file", help="a file with one prompt per line")
-    gen.add_argument("--method", choices=["none", "draft", "mtp", "eagle", "eagle3", "eagle-tree"],
+    gen.add_argument("--method", choices=["none", "draft", "mtp", "eagle", "eagle3", "eagle-tree",
+                                          "ngram"],
                      default=None,
                      help="none = plain decoding; eagle-tree = a head drafting an EAGLE-2 "
-                          "dynamic tree (--tree-*); default: the best shipped draft's method")
+                          "dynamic tree (--tree-*); ngram = prompt lookup (no draft model, "
+                          "--ngram-*); default: the best shipped draft's method")
     gen.add_argument("--tree-depth", type=int, default=5, help="eagle-tree: draft levels")
     gen.add_argument("--tree-top-k", type=int, default=4,
                      help="eagle-tree: children per expanded node and nodes expanded per level")
@@ -518,7 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=None,
                     help="draft length k (default: 1 for MTP heads, else 4)")
     sv.add_argument("--adaptive", action="store_true",
-                    help="adapt the draft length to the acceptance (needs engine support)")
+                    help="pick k in 0..k on device every speculative step from the recent "
+                         "acceptance and a cost model measured per batch bucket at warm-up")
     sv.add_argument("--tree-depth", type=int, default=5)
     sv.add_argument("--tree-top-k", type=int, default=4)
     sv.add_argument("--tree-nodes", type=int, default=16)

@@ -217,6 +217,16 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.ngram_min ({self.ngram_min}) must be <= ngram_max "
                              f"({self.ngram_max})")
         _check_int("hybrid_min", self.hybrid_min, 0)
+        if self.hybrid_min > self.ngram_max:
+            raise ValueError(f"SpecConfig.hybrid_min ({self.hybrid_min}) must be <= ngram_max "
+                             f"({self.ngram_max}): longer matches are never searched")
+        if self.hybrid_min and self.method not in ("draft", "mtp", "eagle", "eagle3"):
+            raise ValueError(f'SpecConfig.hybrid_min > 0 needs method "draft", "mtp", "eagle" or '
+                             f'"eagle3" (a model drafts the rows without an n-gram match), got '
+                             f"method={self.method!r}")
+        if self.adaptive and self.method == "eagle-tree":
+            raise ValueError('SpecConfig.adaptive=True picks a chain length per step: not with '
+                             'method="eagle-tree"')
         if self.method == "none":
             if self.adaptive:
                 raise ValueError('SpecConfig.adaptive=True needs a speculative method, got '
@@ -240,6 +250,11 @@ class SpecConfig:
     def uses_head(self) -> bool:
         """Whether the draft is a head fed by the target's features (MTP / EAGLE)."""
         return self.method in ("mtp", "eagle", "eagle3", "eagle-tree")
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether decoding keeps each row's token history on device (n-gram drafting)."""
+        return self.method == "ngram" or self.hybrid_min > 0
 
     @property
     def extra_slots(self) -> int:

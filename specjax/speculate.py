@@ -33,17 +33,35 @@ them (the prefix is unmasked), accepts a root-to-node path of depth a (greedy or
 recursive rejection over siblings), moves the path's target K/V from tree-node slots into cache
 order (slot n-1+i <- slot n-1+node_i), and re-runs the head over the accepted path with the
 target's features exactly like the chain's shift: same invariants afterwards.
+
+Method "ngram" drafts without a model (specjax.ngram): each row's history x_0..x_{n-1} is kept in
+an on-device buffer, the tokens that followed the longest earlier match of its suffix are the
+point-mass drafts, rows without a match take an ordinary sample from p_0 (they accept nothing),
+and when no row matches the step is a plain one-token step (lax.cond) instead of the verify.
+With ``hybrid_min`` > 0 the draft/head methods use the n-gram proposal for rows with a match
+that long (a draft LLM then re-runs over every emitted token, since it never saw those drafts;
+heads re-run over the verified span anyway).
+
+``adaptive`` picks the step's k in {0..K} on device (specjax.adaptive) and runs that compiled
+variant through lax.switch; k = 0 is a plain step that keeps the drafter current (a draft LLM /
+head advanced over the new token without its lm_head; the carried logits are recomputed when
+the row next speculates, ``logits_stale``).
+
+Drafting is a function per method (``_DRAFTERS``: tokens, optional q, the drafter's cache);
+``_chain_step`` verifies and accepts whatever it proposes; ``_plain_step`` / ``_commit`` are
+shared by every path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax import acceptance, deepseek, heads, kv_cache, sampling, tree
+from specjax import acceptance, adaptive, deepseek, heads, kv_cache, ngram, sampling, tree
 from specjax.config import SpecConfig
 from specjax.model import forward as _llama_forward
 from specjax.model import lm_head
@@ -77,8 +95,9 @@ def init_cache(cfg, num_pages, page_size, dtype):
 
 
 # The methods this decode loop implements (config.METHODS lists every name SpecConfig accepts).
-METHODS = ("none", "draft", "mtp", "eagle", "eagle3", "eagle-tree")
+METHODS = ("none", "draft", "mtp", "eagle", "eagle3", "eagle-tree", "ngram")
 HEAD_METHODS = ("mtp", "eagle", "eagle3", "eagle-tree")  # methods drafting with a specjax.heads.Head
+
 
 
 @jax.tree_util.register_dataclass
@@ -100,6 +119,16 @@ class DecodeState:
     row_keys: jax.Array  # [B] typed PRNG keys, one stream per row
     accepted_per_pos: jax.Array  # [K] int32 active row-steps whose draft i was accepted
     row_steps: jax.Array  # [] int32 active row-steps (target verify passes per row)
+    # n-gram drafting (SpecConfig.uses_history): x_0..x_{n-1} per row, slots >= n stale.
+    history: jax.Array | None = None  # [B, L] int32
+    drafted: jax.Array | None = None  # [] int32 draft tokens proposed by active rows (all steps)
+    # adaptive k (SpecConfig.adaptive; specjax.adaptive):
+    acc_hits: jax.Array | None = None  # [K] float32 decayed accepted counts per draft position
+    acc_obs: jax.Array | None = None  # [K] float32 decayed reached counts per draft position
+    cost: jax.Array | None = None  # [K+1] float32 cost of a k-step relative to a plain step
+    k_hist: jax.Array | None = None  # [K+1] int32 steps that chose each k
+    logits_stale: jax.Array | None = None  # [B] bool draft_logits must be recomputed (after k=0)
+    draft_hidden: jax.Array | None = None  # [B, E] draft LLM's last hidden state (adaptive "draft")
 
 
 @jax.tree_util.register_dataclass
@@ -209,12 +238,14 @@ def extend_draft(target_params, target_cfg, draft_params, draft_cfg, tokens, hid
 
 
 def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_lens, rp: RowParams,
-            seed, lc: SpecConfig, num_pages_per_seq: int, out_len: int, kv_dtype=jnp.float32):
+            seed, lc: SpecConfig, num_pages_per_seq: int, out_len: int, kv_dtype=jnp.float32,
+            cost=None):
     """Fills both caches over the prompts and samples the first token.
 
     Args:
       tokens: [B, Tp] int32 right-padded prompts; prompt_lens: [B] int32 (>= 1).
       seed: [] int32; row b's stream is fold_in(key(seed), b).
+      cost: [K+1] float32 relative cost of a k-step (adaptive only; specjax.adaptive).
     Returns:
       the initial DecodeState (the first generated token is already in out_tokens).
     """
@@ -248,7 +279,25 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
         last_token=first, draft_logits=draft_logits, head_hidden=head_hidden,
         out_tokens=jnp.zeros((b, out_len), jnp.int32), num_out=zeros, done=jnp.zeros((b,), bool),
         step=jnp.ones((), jnp.int32), row_keys=row_keys,
-        accepted_per_pos=jnp.zeros((max(lc.k_eff, 1),), jnp.int32), row_steps=jnp.zeros((), jnp.int32))
+        accepted_per_pos=jnp.zeros((max(lc.k_eff, 1),), jnp.int32), row_steps=jnp.zeros((), jnp.int32),
+        drafted=jnp.zeros((), jnp.int32))
+    if lc.uses_history:  # x_0..x_{n-1}: the prompt, then the first token at n - 1
+        history = jnp.pad(tokens, ((0, 0), (0, out_len)))  # [B, Tp + out_len]
+        history = ngram.write(history, first[:, None], prompt_lens)
+        state = dataclasses.replace(state, history=history)
+    if lc.adaptive:
+        kk = lc.k_eff
+        if cost is None:
+            raise ValueError("adaptive speculation needs the cost model (cost=[K+1] array)")
+        extra = {}
+        if lc.method != "ngram":
+            extra["logits_stale"] = jnp.zeros((b,), bool)
+        if lc.method == "draft":
+            extra["draft_hidden"] = jnp.zeros((b, draft_cfg.hidden_size), kv_dtype)
+        state = dataclasses.replace(
+            state, acc_hits=jnp.zeros((kk,), jnp.float32), acc_obs=jnp.zeros((kk,), jnp.float32),
+            cost=jnp.asarray(cost, jnp.float32).reshape(kk + 1), k_hist=jnp.zeros((kk + 1,), jnp.int32),
+            **extra)
     out, num_out, done = _emit(state, first[:, None], jnp.ones((b,), jnp.int32), rp)
     return dataclasses.replace(state, out_tokens=out, num_out=num_out, done=done)
 
@@ -297,68 +346,224 @@ def _draft_rollout(target_params, target_cfg, draft_params, draft_cfg, state: De
     return kv, tokens, probs
 
 
-def spec_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
-              rp: RowParams, lc: SpecConfig) -> DecodeState:
-    """One fused speculative (or plain) decoding step for the whole batch."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Drafts:
+    """One step's proposal (what a drafting function returns)."""
+
+    tokens: jax.Array  # [B, K] int32 d_1..d_K
+    probs: jax.Array | None  # [B, K, V] q the drafts were sampled from, None for point masses
+    draft_kv: object  # the drafter's cache after the rollout (None for n-gram drafting)
+    proposing: jax.Array  # [B] bool rows with a real proposal (n-gram: a match)
+    from_ngram: jax.Array | None  # [B] bool hybrid rows that use the n-gram proposal
+
+
+def _draft_model(target_params, target_cfg, draft_params, draft_cfg, state, rp, lc) -> Drafts:
+    """Drafting with a draft LLM or head (methods draft/mtp/eagle), optionally hybrid."""
+    b = state.lengths.shape[0]
+    draft_logits = state.draft_logits
+    if state.logits_stale is not None:  # the last step was plain: refresh the carried logits
+        def fresh():
+            if lc.uses_head:
+                return heads.head_logits(draft_params, draft_cfg, target_params, target_cfg,
+                                         state.head_hidden)
+            return lm_head(draft_params, draft_cfg, state.draft_hidden)
+        draft_logits = lax.cond(
+            jnp.any(state.logits_stale),
+            lambda: jnp.where(state.logits_stale[:, None], fresh(), state.draft_logits),
+            lambda: state.draft_logits)
+        state = dataclasses.replace(state, draft_logits=draft_logits)
+    kv, tokens, probs = _draft_rollout(target_params, target_cfg, draft_params, draft_cfg, state,
+                                       rp, lc)
+    from_ngram = None
+    if lc.hybrid_min > 0:  # rows with a long enough match take the n-gram proposal instead
+        ng, match_len = ngram.propose(state.history, state.lengths, lc.k, lc.ngram_min, lc.ngram_max)
+        from_ngram = match_len >= max(lc.hybrid_min, lc.ngram_min)
+        tokens = jnp.where(from_ngram[:, None], ng, tokens)
+        if probs is not None:  # point masses for the n-gram rows
+            one_hot = jax.nn.one_hot(tokens, probs.shape[-1], dtype=probs.dtype)
+            probs = jnp.where(from_ngram[:, None, None], one_hot, probs)
+    return Drafts(tokens=tokens, probs=probs, draft_kv=kv, proposing=jnp.ones((b,), bool),
+                  from_ngram=from_ngram)
+
+
+def _draft_ngram(target_params, target_cfg, draft_params, draft_cfg, state, rp, lc) -> Drafts:
+    """Prompt-lookup drafting from the on-device history (specjax.ngram)."""
+    tokens, match_len = ngram.propose(state.history, state.lengths, lc.k, lc.ngram_min,
+                                      lc.ngram_max)
+    return Drafts(tokens=tokens, probs=None, draft_kv=state.draft_kv, proposing=match_len > 0,
+                  from_ngram=None)
+
+
+_DRAFTERS = {"draft": _draft_model, "mtp": _draft_model, "eagle": _draft_model, "eagle3": _draft_model,
+             "ngram": _draft_ngram}
+
+
+def _commit(state: DecodeState, rp: RowParams, a, y, emitted, *, drafted, **updates):
+    """Appends a step's tokens and advances the per-row invariants.
+
+    a: [B] accepted drafts; y: [B] residual / bonus token; emitted: [B, K+1] (a + 1 valid);
+    drafted: [B] int32 drafts proposed per row; updates: new caches / carried draft state.
+    """
+    active = ~state.done
+    n = state.lengths
+    out, num_out, done = _emit(state, emitted, a + 1, rp)
+    kbuf = state.accepted_per_pos.shape[0]
+    accepted = jnp.sum((jnp.arange(kbuf)[None, :] < a[:, None]) & active[:, None], axis=0)
+    new = dict(
+        lengths=jnp.where(active, n + a + 1, n), last_token=jnp.where(active, y, state.last_token),
+        out_tokens=out, num_out=num_out, done=done, step=state.step + 1,
+        accepted_per_pos=state.accepted_per_pos + accepted.astype(jnp.int32),
+        row_steps=state.row_steps + jnp.sum(active, dtype=jnp.int32))
+    if state.history is not None:  # x_n.. = emitted (stale beyond a + 1, never read)
+        new["history"] = ngram.write(state.history, emitted, n)
+    if state.drafted is not None:
+        new["drafted"] = state.drafted + jnp.sum(jnp.where(active, drafted, 0), dtype=jnp.int32)
+    new.update(updates)
+    return dataclasses.replace(state, **new)
+
+
+def _plain_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
+                rp: RowParams, lc: SpecConfig):
+    """A one-token target step; a draft LLM / head that must stay current (adaptive k = 0) is
+    advanced over the new token without its lm_head (the carried logits are refreshed lazily).
+
+    Returns (state, a [B] zeros, drafted [B] zeros).
+    """
+    b = state.lengths.shape[0]
+    n = state.lengths
+    active = ~state.done
+    acc_keys = _step_keys(state.row_keys, state.step, 2)
+    logits, hidden, target_kv, aux = target_forward(
+        target_params, target_cfg, state.last_token[:, None], (n - 1)[:, None], state.target_kv,
+        state.page_table, n - 1, attn_impl=lc.attn_impl,
+        aux_layers=aux_layers_for(lc, draft_cfg) if state.logits_stale is not None else ())
+    y = _sample(acc_keys, logits[:, 0], rp)
+    zeros = jnp.zeros((b,), jnp.int32)
+    updates = {"target_kv": target_kv}
+    if state.logits_stale is not None:
+        if lc.uses_head:  # head position n-1 consumes (x_n = y, f_{n-1})
+            feats = heads.head_features(draft_params, draft_cfg, target_params, target_cfg, hidden,
+                                        aux)
+            hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params,
+                                              y[:, None], feats, (n - 1)[:, None], state.draft_kv,
+                                              state.page_table, n - 1, attn_impl=lc.attn_impl)
+            updates["head_hidden"] = jnp.where(active[:, None], hh[:, 0], state.head_hidden)
+        else:  # the draft LLM writes x_n = y at position n
+            _, dh, draft_kv = forward(draft_params, draft_cfg, y[:, None], n[:, None], state.draft_kv,
+                                      state.page_table, n, attn_impl=lc.attn_impl,
+                                      return_logits=False)
+            updates["draft_hidden"] = jnp.where(active[:, None], dh[:, 0], state.draft_hidden)
+        updates.update(draft_kv=draft_kv, logits_stale=state.logits_stale | active)
+    return _commit(state, rp, zeros, y, y[:, None], drafted=zeros, **updates), zeros, zeros
+
+
+def _chain_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
+                rp: RowParams, lc: SpecConfig):
+    """One chain step: draft (per method), verify k+1 tokens, accept, catch up the drafter.
+
+    Returns (state, a [B] accepted drafts, drafted [B] drafts proposed per row).
+    """
     b = state.lengths.shape[0]
     n = state.lengths
     k = lc.k_eff
     active = ~state.done
     acc_keys = _step_keys(state.row_keys, state.step, 2)
-
-    if lc.method == "eagle-tree":
-        return _tree_step(target_params, target_cfg, draft_params, draft_cfg, state, rp, lc)
-    if k == 0:  # plain decoding through the same machinery
-        logits, _, target_kv = forward(target_params, target_cfg, state.last_token[:, None],
-                                       (n - 1)[:, None], state.target_kv, state.page_table, n - 1,
-                                       attn_impl=lc.attn_impl)
-        y = _sample(acc_keys, logits[:, 0], rp)
-        a = jnp.zeros((b,), jnp.int32)
-        emitted = y[:, None]
-        draft_kv, draft_logits, head_hidden = state.draft_kv, state.draft_logits, state.head_hidden
-    else:
-        draft_kv, d, q = _draft_rollout(target_params, target_cfg, draft_params, draft_cfg, state,
-                                        rp, lc)
-        verify_tokens = jnp.concatenate([state.last_token[:, None], d], axis=1)  # [B, K+1]
-        positions = (n - 1)[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-        logits, hidden, target_kv, aux = target_forward(
-            target_params, target_cfg, verify_tokens, positions, state.target_kv, state.page_table,
-            n - 1, attn_impl=lc.attn_impl, aux_layers=aux_layers_for(lc, draft_cfg))
-        a, y = _accept(acc_keys, d, logits, q, rp)  # logits [B, K+1, V]
-        idx = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-        emitted = jnp.where(idx == a[:, None], y[:, None], jnp.pad(d, ((0, 0), (0, 1))))  # [B, K+1]
-        head_hidden = state.head_hidden
-        if lc.uses_head:
-            # Shifted verify tokens with y inserted at a, re-run over all k+1 positions with the
-            # target's features (static shapes; positions past a are stale and overwritten later).
-            feats = heads.head_features(draft_params, draft_cfg, target_params, target_cfg, hidden,
-                                        aux)
-            hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params,
-                                              emitted, feats, positions, draft_kv, state.page_table,
-                                              n - 1, a + 1, attn_impl=lc.attn_impl)
-            h_a = jnp.take_along_axis(hh, a[:, None, None], axis=1)[:, 0]  # [B, E]
-            new_logits = heads.head_logits(draft_params, draft_cfg, target_params, target_cfg, h_a)
-            head_hidden = jnp.where(active[:, None], h_a, state.head_hidden)
-        else:
-            # Draft catch-up over [x_{n+a-1}, y]: writes y (and d_k if all were accepted).
+    dr = _DRAFTERS[lc.method](target_params, target_cfg, draft_params, draft_cfg, state, rp, lc)
+    d, draft_kv = dr.tokens, dr.draft_kv
+    verify_tokens = jnp.concatenate([state.last_token[:, None], d], axis=1)  # [B, K+1]
+    positions = (n - 1)[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    logits, hidden, target_kv, aux = target_forward(
+        target_params, target_cfg, verify_tokens, positions, state.target_kv, state.page_table,
+        n - 1, attn_impl=lc.attn_impl, aux_layers=aux_layers_for(lc, draft_cfg))
+    a, y = _accept(acc_keys, d, logits, dr.probs, rp)  # logits [B, K+1, V]
+    if lc.method == "ngram":  # rows without a match take an ordinary sample from p_0 (lossless)
+        y0 = _sample(_step_keys(state.row_keys, state.step, 3), logits[:, 0], rp)
+        a = jnp.where(dr.proposing, a, 0)
+        y = jnp.where(dr.proposing, y, y0)
+    idx = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    emitted = jnp.where(idx == a[:, None], y[:, None], jnp.pad(d, ((0, 0), (0, 1))))  # [B, K+1]
+    updates = {"target_kv": target_kv}
+    if lc.uses_head:
+        # Shifted verify tokens with y inserted at a, re-run over all k+1 positions with the
+        # target's features (static shapes; positions past a are stale and overwritten later).
+        feats = heads.head_features(draft_params, draft_cfg, target_params, target_cfg, hidden, aux)
+        hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params,
+                                          emitted, feats, positions, draft_kv, state.page_table,
+                                          n - 1, a + 1, attn_impl=lc.attn_impl)
+        h_a = jnp.take_along_axis(hh, a[:, None, None], axis=1)[:, 0]  # [B, E]
+        new_logits = heads.head_logits(draft_params, draft_cfg, target_params, target_cfg, h_a)
+        updates["head_hidden"] = jnp.where(active[:, None], h_a, state.head_hidden)
+    elif lc.method == "draft":
+        if dr.from_ngram is None:
+            # Catch-up over [x_{n+a-1}, y]: writes y (and d_k if all were accepted); the rollout
+            # already wrote d_1..d_{k-1}.
             prev = jnp.take_along_axis(verify_tokens, a[:, None], axis=1)[:, 0]
             cu_tokens = jnp.stack([prev, y], axis=1)
-            cu_pos = (n + a - 1)[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
-            cu_logits, _, draft_kv = forward(draft_params, draft_cfg, cu_tokens, cu_pos, draft_kv,
-                                             state.page_table, n + a - 1, attn_impl=lc.attn_impl)
-            new_logits = cu_logits[:, 1]
-        draft_logits = jnp.where(active[:, None], new_logits, state.draft_logits)
+            cu_start, cu_num, pick = n + a - 1, jnp.full((b,), 2, jnp.int32), jnp.ones_like(a)
+        else:
+            # Hybrid: n-gram rows' accepted drafts were never written by the draft, so re-run it
+            # over every emitted token x_n..x_{n+a} (a + 1 valid of k + 1; the rest stale).
+            cu_tokens, cu_start, cu_num, pick = emitted, n, a + 1, a
+        cu_pos = cu_start[:, None] + jnp.arange(cu_tokens.shape[1], dtype=jnp.int32)[None, :]
+        _, dh, draft_kv = forward(draft_params, draft_cfg, cu_tokens, cu_pos, draft_kv,
+                                  state.page_table, cu_start, cu_num, attn_impl=lc.attn_impl,
+                                  return_logits=False)
+        dh_last = jnp.take_along_axis(dh, pick[:, None, None], axis=1)[:, 0]  # [B, E]
+        new_logits = lm_head(draft_params, draft_cfg, dh_last)
+        if state.draft_hidden is not None:
+            updates["draft_hidden"] = jnp.where(active[:, None], dh_last, state.draft_hidden)
+    if lc.method != "ngram":
+        updates.update(draft_kv=draft_kv,
+                       draft_logits=jnp.where(active[:, None], new_logits, state.draft_logits))
+        if state.logits_stale is not None:
+            updates["logits_stale"] = state.logits_stale & ~active
+    drafted = jnp.where(dr.proposing, k, 0).astype(jnp.int32)
+    return _commit(state, rp, a, y, emitted, drafted=drafted, **updates), a, drafted
 
-    out, num_out, done = _emit(state, emitted, a + 1, rp)
-    accepted = jnp.sum((jnp.arange(max(k, 1))[None, :] < a[:, None]) & active[:, None], axis=0)
-    return dataclasses.replace(
-        state, target_kv=target_kv, draft_kv=draft_kv,
-        lengths=jnp.where(active, n + a + 1, n),
-        last_token=jnp.where(active, y, state.last_token),
-        draft_logits=draft_logits, head_hidden=head_hidden, out_tokens=out, num_out=num_out, done=done,
-        step=state.step + 1,
-        accepted_per_pos=state.accepted_per_pos + accepted.astype(jnp.int32),
-        row_steps=state.row_steps + jnp.sum(active, dtype=jnp.int32))
+
+def _fixed_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
+                rp: RowParams, lc: SpecConfig):
+    """A step with the static draft length lc.k_eff (0 = plain); n-gram drafting falls back to
+    a plain step when no active row has a match. Returns (state, a [B], drafted [B])."""
+    args = (target_params, target_cfg, draft_params, draft_cfg, state, rp, lc)
+    if lc.k_eff == 0:
+        return _plain_step(*args)
+    if lc.method == "ngram":
+        _, match_len = ngram.search(state.history, state.lengths, lc.ngram_min, lc.ngram_max)
+        any_match = jnp.any((match_len > 0) & ~state.done)
+        return lax.cond(any_match, lambda: _chain_step(*args), lambda: _plain_step(*args))
+    return _chain_step(*args)
+
+
+def _adaptive_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
+                   rp: RowParams, lc: SpecConfig) -> DecodeState:
+    """Chooses k in {0..K} on device (specjax.adaptive) and runs that compiled variant."""
+    kmax = lc.k_eff
+    k = adaptive.choose_k(state.acc_hits, state.acc_obs, state.cost)
+    # Branch k: the static k-variant (branch 0: a plain step that keeps the drafter current).
+    branches = [functools.partial(_fixed_step, target_params, target_cfg, draft_params, draft_cfg,
+                                  rp=rp, lc=dataclasses.replace(lc, num_draft_tokens=max(kv, 1), adaptive=False))
+                for kv in range(kmax + 1)]
+    branches[0] = functools.partial(_plain_step, target_params, target_cfg, draft_params,
+                                    draft_cfg, rp=rp, lc=dataclasses.replace(lc, adaptive=False))
+    new, a, drafted = lax.switch(k, branches, state)
+    k_used = jnp.max(jnp.where(~state.done, drafted, 0))  # 0 when n-gram fell back to plain
+    hits, obs = adaptive.update(state.acc_hits, state.acc_obs, a, k_used,
+                                ~state.done & (drafted > 0))
+    return dataclasses.replace(new, acc_hits=hits, acc_obs=obs,
+                               k_hist=state.k_hist.at[k].add(1))
+
+
+def spec_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
+              rp: RowParams, lc: SpecConfig) -> DecodeState:
+    """One fused speculative (or plain) decoding step for the whole batch."""
+    args = (target_params, target_cfg, draft_params, draft_cfg, state, rp, lc)
+    if lc.method == "eagle-tree":
+        return _tree_step(*args)
+    if lc.adaptive:
+        return _adaptive_step(*args)
+    return _fixed_step(*args)[0]
 
 
 def _tree_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
@@ -433,12 +638,16 @@ def decode_loop(target_params, target_cfg, draft_params, draft_cfg, state: Decod
     return lax.while_loop(cond, body, state)
 
 
-def _generate_device(target_params, draft_params, tokens, prompt_lens, rp, seed, *, target_cfg,
-                     draft_cfg, lc, num_pages_per_seq, out_len):
+def _generate_device(target_params, draft_params, tokens, prompt_lens, rp, seed, cost=None, *,
+                     target_cfg, draft_cfg, lc, num_pages_per_seq, out_len):
     state = prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_lens, rp, seed,
-                    lc, num_pages_per_seq, out_len, kv_dtype=target_params["embed"].dtype)
+                    lc, num_pages_per_seq, out_len, kv_dtype=target_params["embed"].dtype, cost=cost)
     state = decode_loop(target_params, target_cfg, draft_params, draft_cfg, state, rp, lc)
-    return state.out_tokens, state.num_out, state.accepted_per_pos, state.row_steps, state.step
+    extra = {"drafted": state.drafted}
+    if state.k_hist is not None:
+        extra["k_hist"] = state.k_hist
+    return (state.out_tokens, state.num_out, state.accepted_per_pos, state.row_steps, state.step,
+            extra)
 
 
 generate_device = jax.jit(

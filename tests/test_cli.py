@@ -34,6 +34,11 @@ def test_generate_plain_and_draft_json(tiny_dirs, capsys):
     spec = json.loads(capsys.readouterr().out)
     assert spec["tokens"] == plain["tokens"] and len(plain["tokens"][0]) <= 6
     assert spec["stats"]["method"] == "draft" and spec["stats"]["num_draft_tokens"] == 3
+    assert cli.main(base + ["--method", "ngram", "-k", "2", "--ngram-max", "2"]) == 0
+    ngram = json.loads(capsys.readouterr().out)
+    assert ngram["tokens"] == plain["tokens"] and ngram["stats"]["method"] == "ngram"
+    assert cli.main(base + ["--method", "ngram", "--ngram-min", "3", "--ngram-max", "2"]) == 2
+    assert "ngram_min (3) must be <= ngram_max" in capsys.readouterr().err
 
 
 def test_bad_arguments_exit_2(tiny_dirs, capsys):
@@ -117,8 +122,9 @@ def test_bench_specjax_only_json(tiny_dirs, capsys):
     assert rc == 0
     rep = json.loads(capsys.readouterr().out)
     rows = rep["results"]["batch1"]
-    assert set(rows) == {"specjax plain", "specjax draft"}
+    assert set(rows) == {"specjax plain", "specjax draft", "specjax ngram"}  # ngram: --prompt-lookup
     assert rows["specjax draft"]["vs_specjax_plain"]["identical_rows"] == 1
+    assert rows["specjax ngram"]["vs_specjax_plain"]["identical_rows"] == 1
     assert "| 1 | specjax | draft |" in rep["table_md"]
 
 

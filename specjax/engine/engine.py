@@ -98,6 +98,10 @@ class EngineConfig:
       batches decode plainly (None = always speculate).
     seed: seeds the streams of requests submitted without one.
     record_timeline: keep per-step host/device timestamps in ``Engine.timeline``.
+    With ``spec.method == "ngram"`` no draft is needed (each slot keeps its token history on
+    device); with ``spec.adaptive`` every speculative step picks k on device, from a cost model
+    measured for each batch bucket at ``warmup()`` (speculation fades out as batches become
+    compute-bound).
     """
 
     spec: SpecConfig = SpecConfig()
@@ -244,7 +248,10 @@ class Engine:
         if num_pages < pages_per_seq:
             raise ValueError(f"num_pages {num_pages} cannot hold one sequence of max_model_len "
                              f"{cfg.max_model_len} (needs {pages_per_seq} pages of {spec.page_size})")
-        self.sc = steps.StepConfig(lc=spec, num_slots=cfg.max_slots, pages_per_seq=pages_per_seq)
+        history_len = (pages_per_seq * spec.page_size + token_buckets[-1] + 1) if spec.uses_history else 0
+        self.sc = steps.StepConfig(lc=spec, num_slots=cfg.max_slots, pages_per_seq=pages_per_seq,
+                                   history_len=history_len)
+        self._costs: dict = {}  # batch bucket -> [K+1] device array (adaptive k)
         self._draft_params = None if draft is None else draft.params
         self._draft_cfg = None if draft is None else draft.config
         self._state = steps.init_state(target.config, self._draft_cfg, self.sc, num_pages,
@@ -448,10 +455,28 @@ class Engine:
             d.update(start=row.start, tokens=row.tokens, final=row.final, next_token=row.next_token)
         return d
 
+    def _cost(self, batch: int):
+        """The adaptive cost model at this batch bucket (measured once, then cached)."""
+        if batch not in self._costs:
+            from specjax import adaptive  # noqa: PLC0415
+            costs = adaptive.measure_costs(
+                self.target.params, self.target.config, self._draft_params, self._draft_cfg,
+                method=self.config.spec.method, kmax=self.k_eff, batch=batch,
+                context=min(self.config.max_model_len // 2, 256), dtype=self.target.dtype,
+                page_size=self.config.spec.page_size, attn_impl=self.config.spec.attn_impl)
+            self._costs[batch] = jax.device_put(np.asarray(costs, np.float32))
+        return self._costs[batch]
+
     def _call(self, kind: str, meta):
-        fn = steps.spec_decode_step if kind == "spec" else steps.extend_step
-        out = fn(self.target.params, self._draft_params, self._state, meta,
-                 target_cfg=self.target.config, draft_cfg=self._draft_cfg, sc=self.sc)
+        if kind == "spec":
+            extra = (self._cost(meta.shape[0]),) if self.config.spec.adaptive else ()
+            out = steps.spec_decode_step(self.target.params, self._draft_params, self._state, meta,
+                                         *extra, target_cfg=self.target.config,
+                                         draft_cfg=self._draft_cfg, sc=self.sc)
+            self._state = out[0]
+            return out[1:]
+        out = steps.extend_step(self.target.params, self._draft_params, self._state, meta,
+                                target_cfg=self.target.config, draft_cfg=self._draft_cfg, sc=self.sc)
         self._state = out[0]
         return out[1:]
 
@@ -582,6 +607,8 @@ class Engine:
         occ = self.occupancy()
         s = self.metrics.snapshot(running=occ["num_requests_running"],
                                   waiting=occ["num_requests_waiting"], usage=self.allocator.usage)
+        if self._state.k_hist is not None:  # adaptive: speculative steps per chosen k
+            s["k_histogram"] = [int(c) for c in jax.device_get(self._state.k_hist)]
         s.update(method=self.config.spec.method, schedule=self.schedule, num_draft_tokens=self.k_eff,
                  engine_steps=self.num_steps, host_time_s=self.host_time_s,
                  blocked_time_s=self.blocked_time_s, num_preemptions_total=self.scheduler.num_preemptions)

@@ -21,6 +21,12 @@ device holds its state). Each ``schedule()`` call plans one device step:
 5. The step kind: any prefill chunk -> an ordinary ("extend") step where decode rows take one
    token; decode rows only -> a speculative step, unless the method is "none" or the batch is
    larger than ``spec_max_batch`` (then an ordinary one-token step).
+6. When decode rows would speculate, prefill chunks are not mixed into their step: a mixed
+   step pads every decode row to the chunk width T (a [B, T] target forward that advances each
+   decode row by one token, instead of a speculative step) -- with continuous batching and
+   staggered finishes that happens at nearly every admission. Instead the step runs the
+   prefill rows alone (a small batch bucket) and the next step is a speculative step over the
+   decode rows; the two alternate while prompts are being prefilled.
 """
 
 from __future__ import annotations
@@ -120,6 +126,7 @@ class Scheduler:
         self.running: list = []  # admission order (latest last = first preemption victim)
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.num_preemptions = 0
+        self._last_prefill_only = False  # the previous plan ran prefill rows without decode rows
 
     # -------------------------------------------------------------------------- bookkeeping
     def add(self, req: Request) -> None:
@@ -159,6 +166,10 @@ class Scheduler:
         """Plans the next step (mutates request states: chunks advance, pages are allocated)."""
         tmax = self.token_buckets[-1]
         budget = self.max_prefill_tokens if self.max_prefill_tokens is not None else float("inf")
+        n_decode = sum(r.state == DECODE for r in self.running)
+        split = n_decode > 0 and self._speculates(n_decode)
+        if split and self._last_prefill_only:
+            budget = 0  # a speculative step for the decode rows first (point 6)
         chunks: dict = {}
         for r in self.running:
             if r.state == PREFILL and budget > 0:
@@ -216,17 +227,25 @@ class Scheduler:
                 r.num_prefilled += c
                 if final:
                     r.state = DECODE  # from the next step on, the device holds its state
+        self._last_prefill_only = False
         if not rows:
             return None
         if chunks:
+            if split:  # prefill rows alone; decode rows speculate in the next step
+                rows = [row for row in rows if row.kind != KIND_DECODE]
+                self._last_prefill_only = True
             for row in rows:
                 if row.kind == KIND_DECODE:
                     row.growth = 1
             return Plan("extend", rows, bucket(max(chunks.values()), self.token_buckets))
-        if self.speculative and (self.spec_max_batch is None or len(rows) <= self.spec_max_batch):
+        if self._speculates(len(rows)):
             for row in rows:
                 row.growth = self.k1
             return Plan("spec", rows, 0)
         for row in rows:
             row.growth = 1
         return Plan("extend", rows, 1)
+
+    def _speculates(self, num_decode: int) -> bool:
+        """Whether a decode-only step of this many rows is speculative."""
+        return self.speculative and (self.spec_max_batch is None or num_decode <= self.spec_max_batch)

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import kv_cache, sampling, speculate
+from specjax import kv_cache, ngram, sampling, speculate
 from specjax.config import SpecConfig
 from specjax.model import lm_head
 
@@ -60,6 +60,7 @@ class StepConfig:
     lc: SpecConfig  # method, k, draft_sampling, tree, attn_impl, page_size, ...
     num_slots: int  # S request slots (slot S is the padding dummy)
     pages_per_seq: int  # Pmax page-table width
+    history_len: int = 0  # L of the per-slot token history (n-gram drafting; 0 = none)
 
     def width(self, t: int) -> int:
         """Metadata row width W for T tokens per row."""
@@ -77,6 +78,13 @@ class SlotState:
     last_token: jax.Array  # [S+1] int32 x_{n-1}
     draft_logits: jax.Array | None  # [S+1, V] float32 carried draft logits (speculative methods)
     head_hidden: jax.Array | None  # [S+1, E] head output at position n-2 (MTP / EAGLE)
+    history: jax.Array | None = None  # [S+1, L] int32 x_0..x_{n-1} per slot (n-gram drafting)
+    # adaptive k (one running estimate for the engine; speculate.DecodeState has the meaning):
+    acc_hits: jax.Array | None = None  # [K] float32
+    acc_obs: jax.Array | None = None  # [K] float32
+    k_hist: jax.Array | None = None  # [K+1] int32
+    logits_stale: jax.Array | None = None  # [S+1] bool
+    draft_hidden: jax.Array | None = None  # [S+1, E] (adaptive method "draft")
 
 
 def init_state(target_cfg, draft_cfg, sc: StepConfig, num_pages: int, dtype) -> SlotState:
@@ -90,11 +98,22 @@ def init_state(target_cfg, draft_cfg, sc: StepConfig, num_pages: int, dtype) -> 
     elif lc.uses_head:
         draft_kv = kv_cache.init_cache(draft_cfg.layer, num_pages, lc.page_size, dtype)
         head_hidden = jnp.zeros((s1, draft_cfg.layer.hidden_size), dtype)
-    if lc.method != "none":
+    if lc.method not in ("none", "ngram"):
         draft_logits = jnp.zeros((s1, target_cfg.vocab_size), jnp.float32)
+    extra = {}
+    if lc.uses_history:
+        extra["history"] = jnp.zeros((s1, sc.history_len), jnp.int32)
+    if lc.adaptive:
+        kk = lc.k_eff
+        extra.update(acc_hits=jnp.zeros((kk,), jnp.float32), acc_obs=jnp.zeros((kk,), jnp.float32),
+                     k_hist=jnp.zeros((kk + 1,), jnp.int32))
+        if lc.method != "ngram":
+            extra["logits_stale"] = jnp.zeros((s1,), bool)
+        if lc.method == "draft":
+            extra["draft_hidden"] = jnp.zeros((s1, draft_cfg.hidden_size), dtype)
     return SlotState(target_kv=target_kv, draft_kv=draft_kv, lengths=jnp.ones((s1,), jnp.int32),
                      last_token=jnp.zeros((s1,), jnp.int32), draft_logits=draft_logits,
-                     head_hidden=head_hidden)
+                     head_hidden=head_hidden, **extra)
 
 
 # ------------------------------------------------------------------------------ host packing
@@ -211,17 +230,26 @@ def _extend(target_params, draft_params, state: SlotState, meta, *, target_cfg, 
         state.draft_kv, page_table, lc, aux)
 
     state = dataclasses.replace(state, target_kv=target_kv, draft_kv=draft_kv)
+    if state.history is not None:
+        # The span and the token after it at start..start+num_new (later slots: stale).
+        span = jnp.concatenate([tokens, jnp.zeros((tokens.shape[0], 1), jnp.int32)], axis=1)
+        span = jax.vmap(lambda row, i, v: row.at[i].set(v))(span, num_new, after)
+        rows = ngram.write(state.history[slot], span, start)
+        state = _scatter(state, slot, cols["valid"], history=rows)
     updates = dict(lengths=pos_new + 1, last_token=y)
-    if draft_logits is not None:
+    if draft_logits is not None:  # fresh carried logits (draft_hidden is only read when stale)
         updates["draft_logits"] = draft_logits
+        updates["logits_stale"] = jnp.zeros_like(commit)
     if head_hidden is not None:
         updates["head_hidden"] = head_hidden
     return _scatter(state, slot, commit, **updates), y
 
 
-def _spec_decode(target_params, draft_params, state: SlotState, meta, *, target_cfg, draft_cfg,
-                 sc: StepConfig):
+def _spec_decode(target_params, draft_params, state: SlotState, meta, cost=None, *, target_cfg,
+                 draft_cfg, sc: StepConfig):
     """Decode-only speculative step (speculate.spec_step on the gathered rows).
+
+    cost: [K+1] float32 relative k-step costs at this batch bucket (adaptive k only).
 
     Returns (state, emitted [B, K+1] int32, counts [B] int32): row b emitted
     ``emitted[b, :counts[b]]`` (accepted drafts then the residual / bonus token).
@@ -232,19 +260,27 @@ def _spec_decode(target_params, draft_params, state: SlotState, meta, *, target_
     slot, valid = cols["slot"], cols["valid"]
     n = state.lengths[slot]
     k1 = lc.k_eff + 1
+    def rows(x):
+        return None if x is None else x[slot]
+
     ds = speculate.DecodeState(
         target_kv=state.target_kv, draft_kv=state.draft_kv, page_table=page_table, lengths=n,
-        last_token=state.last_token[slot], draft_logits=state.draft_logits[slot],
-        head_hidden=None if state.head_hidden is None else state.head_hidden[slot],
+        last_token=state.last_token[slot], draft_logits=rows(state.draft_logits),
+        head_hidden=rows(state.head_hidden),
         out_tokens=jnp.zeros((b, k1), jnp.int32), num_out=jnp.zeros((b,), jnp.int32),
         done=~valid, step=jnp.zeros((), jnp.int32), row_keys=_row_keys(cols["seed"], n),
-        accepted_per_pos=jnp.zeros((lc.k_eff,), jnp.int32), row_steps=jnp.zeros((), jnp.int32))
+        accepted_per_pos=jnp.zeros((lc.k_eff,), jnp.int32), row_steps=jnp.zeros((), jnp.int32),
+        history=rows(state.history), acc_hits=state.acc_hits, acc_obs=state.acc_obs,
+        cost=cost, k_hist=state.k_hist, logits_stale=rows(state.logits_stale),
+        draft_hidden=rows(state.draft_hidden))
     ds = speculate.spec_step(target_params, target_cfg, draft_params, draft_cfg, ds,
                              _row_params(cols, k1), lc)
-    state = dataclasses.replace(state, target_kv=ds.target_kv, draft_kv=ds.draft_kv)
-    updates = dict(lengths=ds.lengths, last_token=ds.last_token, draft_logits=ds.draft_logits)
-    if ds.head_hidden is not None:
-        updates["head_hidden"] = ds.head_hidden
+    state = dataclasses.replace(state, target_kv=ds.target_kv, draft_kv=ds.draft_kv,
+                                acc_hits=ds.acc_hits, acc_obs=ds.acc_obs, k_hist=ds.k_hist)
+    updates = dict(lengths=ds.lengths, last_token=ds.last_token, draft_logits=ds.draft_logits,
+                   head_hidden=ds.head_hidden, history=ds.history, logits_stale=ds.logits_stale,
+                   draft_hidden=ds.draft_hidden)
+    updates = {name: v for name, v in updates.items() if v is not None}
     return _scatter(state, slot, valid, **updates), ds.out_tokens, ds.num_out
 
 

@@ -1,0 +1,317 @@
+"""N-gram (prompt lookup) drafting, the hybrid drafter and adaptive k: search parity with a
+plain-Python reference, greedy losslessness (ragged rows, EOS at different steps), the carried
+draft state after hybrid / plain steps, exact sampled distributions, the no-match fallback and
+bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax as sj
+from specjax import acceptance, adaptive, ngram, speculate
+from specjax.heads import Head, HeadConfig, init_head
+from specjax.model import lm_head
+from tests.test_speculative import (ALPHA, N_ROWS, PROMPT, PROMPTS, V, _biased_accept_chain,
+                                    _chi2_pvalue, _eos_for_staggered_stops, _exact_joint)
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_pair):
+    target, _ = tiny_pair
+    return sj.generate(target, PROMPTS, max_new_tokens=40, eos_token_id=[]).tokens
+
+
+@pytest.fixture()
+def fixed_costs(monkeypatch):
+    """A cost model that favours speculating first, so the adaptive loop visits several k."""
+    def costs(*args, kmax, **kw):
+        return [1.0] + [1.2 + 0.1 * k for k in range(1, kmax + 1)]
+    monkeypatch.setattr(adaptive, "measure_costs", costs)
+
+
+def _mtp_head(target):
+    cfg = HeadConfig.for_target(target.config, "mtp")
+    return Head(init_head(cfg, jax.random.key(3), scale=0.3), cfg)
+
+
+# ------------------------------------------------------------------------------ the search
+
+@pytest.mark.parametrize("lo,hi", [(1, 3), (2, 4), (1, 1), (3, 3)])
+def test_search_matches_reference(lo, hi):
+    """Longest match in [lo, hi], ties to the most recent occurrence, continuation proposals."""
+    rng = np.random.default_rng(lo * 10 + hi)
+    width, b = 24, 64
+    rows = [rng.integers(0, int(rng.integers(2, 5)), int(rng.integers(1, width + 1))).tolist()
+            for _ in range(b)]
+    hist = np.full((b, width), 7, np.int32)  # stale slots hold a token the rows never use
+    for i, r in enumerate(rows):
+        hist[i, :len(r)] = r
+    lens = jnp.asarray([len(r) for r in rows], jnp.int32)
+    m, end = ngram.search(jnp.asarray(hist), lens, lo, hi)
+    toks, m2 = ngram.propose(jnp.asarray(hist), lens, 5, lo, hi)
+    for i, r in enumerate(rows):
+        want_m, want_end = ngram.search_reference(r, lo, hi)
+        assert int(m[i]) == want_m and int(m2[i]) == want_m, (r, lo, hi)
+        if want_m:
+            assert int(end[i]) == want_end, (r, lo, hi)
+        assert np.asarray(toks[i]).tolist() == ngram.propose_reference(r, 5, lo, hi)[0]
+    assert 0 < int(jnp.sum(m > 0)) < b  # both matched and unmatched rows were exercised
+
+
+def test_search_reference_examples():
+    assert ngram.search_reference([1, 2, 3, 1, 2], 1, 3) == (2, 1)  # "1 2" at 0..1
+    assert ngram.search_reference([5, 1, 2, 9, 1, 2, 3, 1, 2], 1, 3) == (2, 5)  # most recent
+    assert ngram.search_reference([1, 2, 3], 1, 3) == (0, -1)
+    assert ngram.propose_reference([4, 4, 4], 3, 1, 3) == ([4, 4, 4], 2)
+    assert ngram.propose_reference([1, 2, 3, 1], 4, 1, 3) == ([2, 3, 1, 2], 1)  # periodic
+
+
+# ----------------------------------------------------------------------------- losslessness
+
+def test_ngram_greedy_lossless_eos_at_different_steps(tiny_pair, plain):
+    target, _ = tiny_pair
+    eos = _eos_for_staggered_stops(plain)
+    want = [row[: row.index(eos) + 1] if eos in row else row for row in plain]
+    out = sj.generate(target, PROMPTS, max_new_tokens=40, method="ngram", num_draft_tokens=K,
+                      eos_token_id=eos)
+    assert out.tokens == want
+    assert len({len(r) for r in want}) >= 3
+
+
+def test_ngram_drafts_are_accepted(tiny_pair, plain):
+    """Repetitive rows (the all-4 prompt makes the model repeat itself) accept n-gram drafts."""
+    target, _ = tiny_pair
+    out = sj.generate(target, PROMPTS, max_new_tokens=40, method="ngram", num_draft_tokens=K,
+                      eos_token_id=[])
+    assert out.tokens == plain
+    assert out.stats["mean_accepted_length"] > 1.05
+    assert 0 < out.stats["drafted_tokens"] < out.stats["row_steps"] * K  # some rows had no match
+
+
+def test_hybrid_draft_lossless(tiny_pair, plain):
+    target, draft = tiny_pair
+    out = sj.generate(target, PROMPTS, max_new_tokens=40, draft=draft, method="draft",
+                      num_draft_tokens=K, hybrid_min=1, eos_token_id=[])
+    assert out.tokens == plain
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_adaptive_greedy_lossless(tiny_pair, plain, fixed_costs, method):
+    target, draft = tiny_pair
+    eos = _eos_for_staggered_stops(plain)
+    want = [row[: row.index(eos) + 1] if eos in row else row for row in plain]
+    out = sj.generate(target, PROMPTS, max_new_tokens=40, draft=draft if method == "draft" else None,
+                      method=method, num_draft_tokens=K, adaptive=True, eos_token_id=eos)
+    assert out.tokens == want
+    hist = out.stats["k_histogram"]
+    assert len(hist) == K + 1 and sum(hist) == out.stats["steps"]
+    assert sum(c > 0 for c in hist) >= 2, hist  # the device switched between k-variants
+
+
+@pytest.mark.slow
+def test_adaptive_mtp_greedy_lossless(tiny_pair, plain, fixed_costs):
+    target, _ = tiny_pair
+    out = sj.generate(target, PROMPTS, max_new_tokens=40, draft=_mtp_head(target), method="mtp",
+                      num_draft_tokens=K, adaptive=True, hybrid_min=2, eos_token_id=[])
+    assert out.tokens == plain
+    assert sum(c > 0 for c in out.stats["k_histogram"]) >= 2
+
+
+# ----------------------------------------------------------------- carried drafter state
+
+def _run_steps(target, draft, lc, steps, cost=None):
+    """Prefill + `steps` fused steps (rows never finish); returns the state."""
+    b, tp = len(PROMPTS), 32
+    toks = np.zeros((b, tp), np.int32)
+    for i, p in enumerate(PROMPTS):
+        toks[i, :len(p)] = p
+    rp = speculate.RowParams(temperature=jnp.zeros(b), top_k=jnp.zeros(b, jnp.int32),
+                             top_p=jnp.ones(b), max_new=jnp.full((b,), 10_000, jnp.int32),
+                             eos_ids=jnp.asarray([-1], jnp.int32))
+    prefill = jax.jit(speculate.prefill, static_argnums=(1, 3, 8, 9, 10))
+    state = prefill(target.params, target.config, draft.params, draft.config, jnp.asarray(toks),
+                    jnp.asarray([len(p) for p in PROMPTS], jnp.int32), rp, jnp.asarray(0), lc, 12,
+                    128, cost=cost)
+    step = jax.jit(speculate.spec_step, static_argnums=(1, 3, 6))
+    for _ in range(steps):
+        state = step(target.params, target.config, draft.params, draft.config, state, rp, lc)
+    return state
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "adaptive"])
+def test_carried_draft_state_equals_teacher_forcing(tiny_pair, mode):
+    """After hybrid steps (n-gram rows' accepted drafts written by the catch-up) or adaptive
+    plain steps (the draft kept current without its lm_head), the carried draft logits equal a
+    fresh teacher-forced draft pass over the committed tokens, and the history buffer holds them."""
+    target, draft = tiny_pair
+    if mode == "hybrid":
+        lc = sj.SpecConfig(method="draft", num_draft_tokens=K, hybrid_min=1)
+        state, cost = _run_steps(target, draft, lc, 8), None
+    else:
+        lc = sj.SpecConfig(method="draft", num_draft_tokens=K, adaptive=True)
+        cost = jnp.asarray([1.0, 1.2, 1.3, 1.4])  # k=3 first, then plain steps and probes
+        state = _run_steps(target, draft, lc, 8, cost)
+        assert int(state.k_hist[0]) > 0 and int(state.k_hist[1:].sum()) > 0
+    logits = state.draft_logits
+    if mode == "adaptive":
+        fresh = lm_head(draft.params, draft.config, state.draft_hidden)
+        logits = jnp.where(state.logits_stale[:, None], fresh, logits)
+    for i, p in enumerate(PROMPTS):
+        seq = p + np.asarray(state.out_tokens[i, :int(state.num_out[i])]).tolist()
+        assert len(seq) == int(state.lengths[i])
+        if state.history is not None:
+            assert np.asarray(state.history[i, :len(seq)]).tolist() == seq
+        np.testing.assert_allclose(logits[i], sj.logits(draft, seq)[-1], rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- the no-match fallback
+
+def test_plain_step_taken_when_nothing_matches(tiny_pair, monkeypatch):
+    """With no match in any row the loop runs the one-token step, not the (k+1)-token verify."""
+    target, _ = tiny_pair
+    calls = {"plain": 0, "chain": 0}
+    for name, key in (("_plain_step", "plain"), ("_chain_step", "chain")):
+        orig = getattr(speculate, name)
+
+        def wrapped(*args, _orig=orig, _key=key):
+            out = _orig(*args)
+            jax.debug.callback(lambda: calls.__setitem__(_key, calls[_key] + 1))
+            return out
+        monkeypatch.setattr(speculate, name, wrapped)
+    # Distinct-token prompts: one whose first generated token is new (nothing can match), one
+    # whose first generated token repeats a prompt token (a match). ngram_max=4 is used by no
+    # other test, so nothing compiled before the patch is reused.
+    prompts = {}
+    for start in range(0, 60, 6):
+        prompt = list(range(start, start + 6))
+        first = sj.generate(target, [prompt], max_new_tokens=1, eos_token_id=[]).tokens[0][0]
+        prompts.setdefault(first in prompt, prompt)
+        if len(prompts) == 2:
+            break
+    calls.update(plain=0, chain=0)
+    out = sj.generate(target, [prompts[False]], max_new_tokens=2, method="ngram",
+                      num_draft_tokens=K, eos_token_id=[], ngram_max=4)
+    assert calls == {"plain": 1, "chain": 0}
+    assert out.stats["drafted_tokens"] == 0
+    calls.update(plain=0, chain=0)
+    out = sj.generate(target, [prompts[True]], max_new_tokens=2, method="ngram",
+                      num_draft_tokens=K, eos_token_id=[], ngram_max=4)
+    assert calls == {"plain": 0, "chain": 1}
+    assert out.stats["drafted_tokens"] == K
+
+
+# ----------------------------------------------------------------------- distributions
+
+@pytest.fixture(scope="module")
+def dist_pair():
+    from tests.conftest import tiny_model
+    target = tiny_model(11, vocab=V, hidden=16, layers=2, heads=2, kv_heads=1, scale=1.0)
+    draft = tiny_model(12, vocab=V, hidden=16, layers=1, heads=2, kv_heads=1, scale=1.0)
+    return target, draft
+
+
+def _first3(target, **kw):
+    out = sj.generate(target, [PROMPT] * N_ROWS, max_new_tokens=3, num_draft_tokens=2,
+                      temperature=1.0, eos_token_id=[], **kw)
+    toks = np.array(out.tokens)
+    return toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], out
+
+
+def test_ngram_distribution_matches_target(dist_pair):
+    target, _ = dist_pair
+    cells, out = _first3(target, method="ngram")
+    assert 0.05 < out.stats["acceptance_rate"] < 0.95
+    assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0)) > ALPHA
+
+
+@pytest.mark.slow  # test_speculative's negative control covers the same rule on the default run
+def test_ngram_biased_rule_fails_distribution_test(dist_pair, monkeypatch):
+    """Negative control: resampling from p (not the residual) at a rejection is detected."""
+    target, _ = dist_pair
+    monkeypatch.setattr(acceptance, "accept_chain", _biased_accept_chain)
+    jax.clear_caches()
+    try:
+        cells, _ = _first3(target, method="ngram")
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0)) < ALPHA
+
+
+def test_adaptive_distribution_matches_target(dist_pair, fixed_costs):
+    target, draft = dist_pair
+    cells, out = _first3(target, method="draft", draft=draft, adaptive=True, draft_sampling=True,
+                         hybrid_min=1)
+    assert out.stats["k_histogram"][2] > 0
+    assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0)) > ALPHA
+
+
+# ----------------------------------------------------------------------- adaptive choice
+
+def test_choose_k_follows_acceptance_and_cost():
+    cost = jnp.asarray([1.0, 1.3, 1.45, 1.6])
+    sure = jnp.full((3,), 50.0)
+    assert int(adaptive.choose_k(sure, sure, cost)) == 3  # everything accepted: longest k
+    none = jnp.zeros((3,))
+    assert int(adaptive.choose_k(none, sure, cost)) == 0  # nothing accepted: plain steps
+    assert int(adaptive.choose_k(sure, sure, jnp.asarray([1.0, 9.0, 9.0, 9.0]))) == 0
+    hits, obs = adaptive.update(none, none, jnp.asarray([0, 2, 1]), jnp.asarray(2),
+                                jnp.asarray([True, True, False]))
+    np.testing.assert_allclose(hits, [0.5, 0.5, 0.0])  # row 1 accepted positions 1 and 2
+    np.testing.assert_allclose(obs, [1.0, 0.5, 0.0])  # row 0 never reached position 2
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(method="ngram", ngram_min=0), "ngram_min"),
+    (dict(method="ngram", ngram_min=3, ngram_max=2), "ngram_max"),
+    (dict(method="ngram", ngram_max=-1), "ngram_max"),
+    (dict(method="ngram", hybrid_min=2), "hybrid_min"),
+    (dict(method="draft", hybrid_min=-1), "hybrid_min"),
+    (dict(method="draft", hybrid_min=5), "hybrid_min"),
+    (dict(method="none", adaptive=True), "adaptive"),
+    (dict(method="eagle-tree", adaptive=True), "adaptive"),
+])
+def test_bad_settings_raise(tiny_pair, kw, match):
+    target, draft = tiny_pair
+    with pytest.raises(ValueError, match=match):
+        sj.generate(target, [[1, 2]], draft=draft if kw["method"] == "draft" else None, **kw)
+    with pytest.raises(TypeError, match="adaptive"):
+        sj.generate(target, [[1, 2]], method="ngram", adaptive=1)
+
+
+def test_ngram_rejects_a_draft(tiny_pair):
+    target, draft = tiny_pair
+    with pytest.raises(ValueError, match="needs no draft"):
+        sj.generate(target, [[1, 2]], draft=draft, method="ngram")
+
+
+# ------------------------------------------------------------------------------ the engine
+
+@pytest.mark.parametrize("kw", [dict(method="ngram"),
+                                pytest.param(dict(method="draft", adaptive=True, hybrid_min=1),
+                                             marks=pytest.mark.slow)],
+                         ids=["ngram", "draft-adaptive-hybrid"])
+def test_engine_ngram_and_adaptive_are_exact(tiny_pair, fixed_costs, kw):
+    """Continuous batching with n-gram drafting / adaptive k: every greedy request equals plain
+    decoding of it alone (slots are reused, so the per-slot history and stale flags are reset)."""
+    from specjax.engine import Engine, EngineConfig, RequestParams
+    target, draft = tiny_pair
+    rng = np.random.default_rng(5)
+    reqs = [(rng.integers(0, 8, int(rng.integers(2, 12))).tolist(), int(rng.integers(4, 17)))
+            for _ in range(12)]
+    engine = Engine(target, draft if kw["method"] == "draft" else None,
+                    EngineConfig(sj.SpecConfig(num_draft_tokens=K, page_size=4, **kw), max_slots=4,
+                                 batch_buckets=(4,), token_buckets=(8,), max_model_len=32))
+    handles = [engine.submit(p, RequestParams(max_tokens=m, stop_token_ids=())) for p, m in reqs]
+    engine.run()
+    for (p, m), h in zip(reqs, handles):
+        assert h.result() == sj.generate(target, [p], max_new_tokens=m, eos_token_id=[]).tokens[0]
+    s = engine.stats()
+    assert s["steps"]["spec"] > 0
+    if kw.get("adaptive"):
+        assert sum(c > 0 for c in s["k_histogram"]) >= 2
