@@ -117,6 +117,39 @@ print(f"\\nreplayed mean accepted length {replayed:.2f} vs generate's stats {out
                           "do not predict the final distribution); the trained heads in "
                           "`checkpoints/` and notebook 02 do better. Notebook 03 turns acceptance "
                           "into speedup."),
+        new_markdown_cell("## Loading a published EAGLE-3 head\nEAGLE-3 heads (SafeAILab/EAGLE, "
+                          "SpecForge; the format vLLM and SGLang serve) are directories with a "
+                          "`config.json` naming `LlamaForCausalLMEagle3` and `model.safetensors` "
+                          "(`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`), made for one "
+                          "transformers target. For a real pair:\n\n"
+                          "```python\ntarget = sj.load_model(\"/models/Llama-3.1-8B-Instruct\")"
+                          "       # the transformers dir\n"
+                          "head = sj.load_draft(\"/models/EAGLE3-LLaMA3.1-Instruct-8B\", "
+                          "target=target)\n"
+                          "out = sj.generate(target, prompts, draft=head, method=\"eagle3\", "
+                          "num_draft_tokens=3)\n```\n\n"
+                          "No published pair is on this offline machine, so below we write an "
+                          "(untrained) head for our target in exactly that layout and load it the "
+                          "same way. `sj.draft_logits` scores a head on any text (teacher-forced "
+                          "first-step logits)."),
+        new_code_cell('''from specjax.heads import Head, HeadConfig, init_head
+from specjax.io.heads_io import save_eagle3
+
+eagle3_dir = os.path.join(tempfile.mkdtemp(), "eagle3-head")
+# default fused layers: hidden states entering layers 2, L//2, L-3 (the tiny target has only 2 layers)
+cfg = HeadConfig.for_target(target.config, "eagle3", aux_layers=(1, 1, 2) if SMALL else None)
+save_eagle3(Head(init_head(cfg, jax.random.key(0)), cfg), eagle3_dir)
+hf_cfg = json.load(open(os.path.join(eagle3_dir, "config.json")))
+print(hf_cfg["architectures"], "fused layer ids", hf_cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+
+head3 = sj.load_draft(eagle3_dir, target=target)   # detected from config.json, checked against the target
+print(head3.config.kind, "features from hidden_states", head3.config.aux_layers)
+spec3 = sj.generate(target, [prompt2], max_new_tokens=MAX_NEW, draft=head3, method="eagle3", num_draft_tokens=3)
+print("identical to plain:", spec3.tokens == plain2.tokens,
+      "| mean accepted length", round(spec3.stats["mean_accepted_length"], 2), "(untrained head)")
+dl = sj.draft_logits(target, head3, prompt2)     # [T-1, V] float32, row j predicts token j+2
+agree = (dl.argmax(-1) == sj.logits(target, prompt2)[1:].argmax(-1)).mean()
+print("draft_logits", dl.shape, f"top-1 agreement with the target on the prompt: {agree:.2f}")'''),
     ]
 
 

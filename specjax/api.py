@@ -1,4 +1,4 @@
-"""The public surface: load_model, load_draft, load_tokenizer, logits, generate."""
+"""The public surface: load_model, load_draft, load_tokenizer, logits, draft_logits, generate."""
 
 from __future__ import annotations
 
@@ -65,10 +65,13 @@ def load_draft(path, target: Model, dtype=None):
     Args:
       path: a specjax checkpoint of a draft LLM ("draft_llm": layers trained against this target,
         sharing its embedding and lm_head) or of a head ("head": MTP / EAGLE, returns a
-        specjax.heads.Head), any load_model path (a full draft LLM), or a Model / Head object.
+        specjax.heads.Head), an EAGLE-3 head in the reference layout (a directory whose
+        config.json names ``LlamaForCausalLMEagle3``: SafeAILab/EAGLE, SpecForge, the heads vLLM
+        and SGLang serve; see specjax.io.heads_io.load_eagle3), any load_model path (a full
+        draft LLM), or a Model / Head object.
       target: the target the draft proposes for (its vocabulary, embedding and lm_head).
     Returns:
-      a Model (method="draft") or a Head (method="mtp" / "eagle").
+      a Model (method="draft") or a Head (method="mtp" / "eagle" / "eagle3").
     """
     from specjax.heads import Head, cast_floats  # noqa: PLC0415
     from specjax.io import checkpoint  # noqa: PLC0415
@@ -78,8 +81,12 @@ def load_draft(path, target: Model, dtype=None):
     dtype = dtype or target.dtype
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
+    from specjax.io import heads_io  # noqa: PLC0415
+
     if isinstance(path, (Model, Head)):
         draft = dataclasses.replace(path, params=cast_floats(path.params, dtype))
+    elif isinstance(path, str) and heads_io.is_eagle3_dir(path):
+        draft = heads_io.load_eagle3(path, target.config, dtype, target_params=target.params)
     elif isinstance(path, str) and checkpoint.is_checkpoint(path):
         kind = checkpoint.checkpoint_kind(path)
         if kind == "head":
@@ -99,8 +106,7 @@ def load_draft(path, target: Model, dtype=None):
             draft = load_model(path, dtype)
     else:
         draft = load_model(path, dtype)
-    method = ("mtp" if draft.config.kind == "mtp" else "eagle") if isinstance(draft, Head) else "draft"
-    check_draft(draft, target, method)
+    check_draft(draft, target, draft.config.kind if isinstance(draft, Head) else "draft")
     return draft
 
 
@@ -129,8 +135,8 @@ def check_draft(draft, target: Model, method: str = "draft") -> None:
                          f"(implemented: {', '.join(speculate.METHODS)})")
     if method == "none":
         if draft is not None:
-            raise ValueError('a draft was given with method="none": pass method="draft", "mtp" or '
-                             '"eagle" to speculate with it, or drop the draft')
+            raise ValueError('a draft was given with method="none": pass method="draft", "mtp", '
+                             '"eagle" or "eagle3" to speculate with it, or drop the draft')
         return
     if method == "ngram":
         if draft is not None:
@@ -139,16 +145,23 @@ def check_draft(draft, target: Model, method: str = "draft") -> None:
         return
     if draft is None:
         raise ValueError(f'method="{method}" needs a draft (draft=...)')
-    if method in ("mtp", "eagle", "eagle-tree"):
+    if method in speculate.HEAD_METHODS:
         if not isinstance(draft, Head):
             raise TypeError(f'method="{method}" needs a draft head (specjax.heads.Head), got '
                             f"{type(draft).__name__}")
         if method != "eagle-tree" and draft.config.kind != method:
             raise ValueError(f'method="{method}" got a {draft.config.kind!r} head')
-        lc, tc = draft.config.layer, target.config
-        if (lc.hidden_size, lc.vocab_size) != (tc.hidden_size, tc.vocab_size):
-            raise ValueError(f"head (hidden {lc.hidden_size}, vocab {lc.vocab_size}) does not fit the "
-                             f"target (hidden {tc.hidden_size}, vocab {tc.vocab_size})")
+        hc, tc = draft.config, target.config
+        if (hc.feature_size, hc.layer.vocab_size) != (tc.hidden_size, tc.vocab_size):
+            raise ValueError(f"head (target hidden {hc.feature_size}, vocab {hc.layer.vocab_size}) "
+                             f"does not fit the target (hidden {tc.hidden_size}, vocab "
+                             f"{tc.vocab_size})")
+        if hc.kind == "eagle3" and max(hc.aux_layers) > tc.num_layers:
+            raise ValueError(f"EAGLE-3 head fuses the hidden states entering layers "
+                             f"{hc.aux_layers}, but the target has {tc.num_layers} layers")
+        if hc.layer.hidden_size != tc.hidden_size and "embed" not in draft.params:
+            raise ValueError(f"head hidden size {hc.layer.hidden_size} != target hidden size "
+                             f"{tc.hidden_size}: the head needs its own embedding (embed_tokens)")
         return
     if not isinstance(draft, Model):
         raise TypeError(f"draft must be a specjax Model, got {type(draft).__name__}")
@@ -189,6 +202,59 @@ def logits(model: Model, token_ids: Sequence[int]) -> np.ndarray:
     padded[0, :len(ids)] = ids
     out = _logits_jit(model.params, model.config, jnp.asarray(padded), jnp.asarray(len(ids), jnp.int32))
     return np.asarray(out[:len(ids)])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "head_cfg"))
+def _draft_logits_jit(params, cfg, head_params, head_cfg, tokens, length):
+    from specjax import heads  # noqa: PLC0415
+
+    t = tokens.shape[1]  # padded to a bucket; rows at or beyond `length` are padding
+    per_seq = kv_cache.pages_needed(t, 16)
+    page_table = kv_cache.contiguous_page_table(1, per_seq)
+    pos = jnp.arange(t, dtype=jnp.int32)[None, :]
+    zeros = jnp.zeros((1,), jnp.int32)
+    kv = speculate.init_cache(cfg, per_seq, 16, params["embed"].dtype)
+    _, hidden, _, aux = speculate.target_forward(params, cfg, tokens, pos, kv, page_table, zeros,
+                                                 length[None], return_logits=False,
+                                                 aux_layers=head_cfg.aux_layers)
+    feats = heads.head_features(head_params, head_cfg, params, cfg, hidden, aux)  # f_j
+    shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((1, 1), jnp.int32)], axis=1)  # x_{j+1}
+    hkv = speculate.init_cache(head_cfg.layer, per_seq, 16, params["embed"].dtype)
+    hh, _ = heads.head_forward(head_params, head_cfg, params, shifted, feats, pos, hkv, page_table,
+                               zeros, jnp.maximum(length - 1, 1)[None])
+    return heads.head_logits(head_params, head_cfg, params, cfg, hh[0])  # [T, V]
+
+
+def draft_logits(target: Model, head, token_ids: Sequence[int]) -> np.ndarray:
+    """Teacher-forced first-step draft logits of a head (MTP, EAGLE-1 or EAGLE-3).
+
+    Args:
+      target: the target Model the head drafts for.
+      head: a specjax.heads.Head (e.g. from load_draft).
+      token_ids: [T] token ids, T >= 2.
+    Returns:
+      float32 [T-1, V]: row j is the head's logits from the target's features at position j and
+      token j+1, i.e. its prediction of token j+2 (the first draft it would propose after
+      committing tokens 0..j+1). Tokens outside a reduced draft vocabulary get <= -1e9.
+    """
+    from specjax.heads import Head  # noqa: PLC0415
+
+    if not isinstance(target, Model):
+        raise TypeError(f"target must be a specjax Model, got {type(target).__name__}")
+    if not isinstance(head, Head):
+        raise TypeError(f"head must be a specjax.heads.Head, got {type(head).__name__}")
+    check_draft(head, target, head.config.kind)
+    ids = request.check_tokens(token_ids, target.config.vocab_size, "token_ids")
+    if len(ids) < 2:
+        raise ValueError(f"token_ids needs at least 2 tokens, got {len(ids)}")
+    if len(ids) > target.config.max_position_embeddings:
+        raise ValueError(f"token_ids has {len(ids)} tokens, more than the model's max length "
+                         f"{target.config.max_position_embeddings}")
+    padded = np.zeros((1, _bucket(len(ids))), np.int32)
+    padded[0, :len(ids)] = ids
+    out = _draft_logits_jit(target.params, target.config, head.params, head.config,
+                            jnp.asarray(padded), jnp.asarray(len(ids), jnp.int32))
+    return np.asarray(out[:len(ids) - 1])
 
 
 @dataclasses.dataclass
@@ -238,10 +304,11 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         target's own tokenizer for built-in models).
       max_new_tokens: >= 1 tokens to generate per prompt (fewer if EOS comes first).
       draft: the draft Model for method "draft"; a specjax.heads.Head for "mtp" / "eagle".
-      method: "none" (plain decoding, the baseline), "draft" (a separate draft LLM), "mtp" or
-        "eagle" (a head fed by the target's hidden states, drafting a chain), "eagle-tree" (the
-        head drafts a tree, see ``tree``), "ngram" (prompt lookup: no draft model; the tokens
-        that followed the longest earlier match of the row's suffix, see specjax.ngram).
+      method: "none" (plain decoding, the baseline), "draft" (a separate draft LLM), "mtp",
+        "eagle" or "eagle3" (a head fed by the target's hidden states, drafting a chain; the
+        head's kind must match), "eagle-tree" (any head drafts a tree, see ``tree``), "ngram"
+        (prompt lookup: no draft model; the tokens that followed the longest earlier match of
+        the row's suffix, see specjax.ngram).
       num_draft_tokens: k, the draft length (1..64).
       temperature, top_k, top_p: sampling settings, scalars or one per prompt. temperature 0 is
         greedy; top_k 0 and top_p 1.0 disable those filters.

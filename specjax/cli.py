@@ -79,7 +79,7 @@ def _spec_kw(args, method, adaptive=None, k=None) -> dict:
         return {}
     adaptive = args.adaptive if adaptive is None else adaptive
     return dict(num_draft_tokens=k or args.k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                hybrid_min=args.hybrid_min if method in ("draft", "mtp", "eagle") else 0,
+                hybrid_min=args.hybrid_min if method in ("draft", "mtp", "eagle", "eagle3") else 0,
                 adaptive=adaptive and method != "eagle-tree")
 
 
@@ -294,15 +294,22 @@ def cmd_convert(args) -> int:
         if args.target:
             target = sj.load_model(args.target)
             model = sj.load_draft(args.src, target=target)
-            if not isinstance(model, sj.Model):
+            if not isinstance(model, sj.Model) and args.to == "hf" and model.config.kind != "eagle3":
                 raise ValueError(f"{args.src!r} is a {model.config.kind} head, not a model: heads "
                                  "have no transformers model class (see "
-                                 "specjax.io.heads_io.save_mtp_deepseek for DeepSeek MTP names)")
+                                 "specjax.io.heads_io.save_mtp_deepseek for DeepSeek MTP names; "
+                                 "EAGLE-3 heads convert to their reference layout)")
         else:
             model = sj.load_model(args.src, dtype=dtype)
         bar.update(1)
         bar.set_postfix_str(f"writing {args.out}")
-        if args.to == "hf":
+        if not isinstance(model, sj.Model):  # a head: EAGLE-3 reference layout or ours
+            from specjax.io.heads_io import save_eagle3, save_head  # noqa: PLC0415
+            if args.to == "hf":
+                save_eagle3(model, args.out)
+            else:
+                save_head(model, args.out)
+        elif args.to == "hf":
             save_hf_dir(model.params, model.config, args.out)
             _save_hf_tokenizer(args.tokenizer or args.target or args.src, args.out)
         else:
@@ -311,7 +318,8 @@ def cmd_convert(args) -> int:
         bar.update(1)
     import numpy as np  # noqa: PLC0415
 
-    info = {"src": args.src, "out": args.out, "to": args.to, "layers": model.config.num_layers,
+    layers = model.config.num_layers if isinstance(model, sj.Model) else 1
+    info = {"src": args.src, "out": args.out, "to": args.to, "layers": layers,
             "params": int(sum(int(np.prod(a.shape)) for a in _leaves(model.params)))}
     if args.json:
         _write_json(info, args.json)
@@ -350,9 +358,9 @@ def _train_common(p):
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--rollout", type=int, default=1,
+    p.add_argument("--rollout", type=int, default=None,
                    help="heads: training passes fed the head's own previous output (EAGLE-3-style "
-                        "training-time test; 1 = teacher-forced only)")
+                        "training-time test; 1 = teacher-forced only; default 3 for eagle3, else 1)")
     p.add_argument("--loss-on", choices=("answer", "all"), default="answer",
                    help="positions trained and scored: answer tokens only (default) or every "
                         "position including the chat template / system prompt")
@@ -371,13 +379,19 @@ def _prepare_training(args):
     # Stage and resume messages of the training pipeline go to stderr, timestamped.
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
+    from specjax.heads import default_aux_layers  # noqa: PLC0415
 
     target = sj.load_model(args.model)
     tok = sj.load_tokenizer(args.model)
+    eagle3 = getattr(args, "kind", None) == "eagle3"
+    aux = default_aux_layers(target.config.num_layers) if eagle3 else ()
     pipeline.prepare(target, tok, args.work, args.num_prompts, args.num_wiki, args.held_out_prompts,
-                     args.answer_tokens, args.seq_len)
+                     args.answer_tokens, args.seq_len, aux_layers=aux)
+    rollout = args.rollout if args.rollout is not None else (3 if eagle3 else 1)
+    decay = getattr(args, "rollout_decay", None)
     tc = trainer.TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                             lr=args.lr, seed=args.seed, rollout=args.rollout,
+                             lr=args.lr, seed=args.seed, rollout=rollout,
+                             rollout_decay=decay if decay is not None else (0.8 if eagle3 else 1.0),
                              answer_only=args.loss_on == "answer")
     return target, tok, tc, pipeline
 
@@ -470,7 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--file", help="a file with one prompt per line")
-    gen.add_argument("--method", choices=["none", "draft", "mtp", "eagle", "eagle-tree", "ngram"],
+    gen.add_argument("--method", choices=["none", "draft", "mtp", "eagle", "eagle3", "eagle-tree",
+                                          "ngram"],
                      default=None,
                      help="none = plain decoding; eagle-tree = a head drafting an EAGLE-2 "
                           "dynamic tree (--tree-*); ngram = prompt lookup (no draft model, "
@@ -541,7 +556,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "LlamaForCausalLM directory (float32 safetensors + config.json, plus the "
                     "tokenizer when SRC has one); with --target, SRC is a draft LLM checkpoint "
                     "for that target (its shared embedding and lm_head are filled in), so "
-                    "transformers can use it as assistant_model=.")
+                    "transformers can use it as assistant_model=; an EAGLE-3 head (a "
+                    "specjax-trained one or a reference directory) with --target is written in "
+                    "the reference EAGLE-3 layout (vLLM / SGLang load it), or as a specjax head "
+                    "checkpoint with --to specjax.")
     cv.add_argument("src")
     cv.add_argument("out")
     cv.add_argument("--to", choices=["specjax", "hf"], default="specjax")
@@ -555,7 +573,12 @@ def build_parser() -> argparse.ArgumentParser:
     th = sub.add_parser("train-head", help="train an MTP / EAGLE head on self-distilled data "
                                               "(resumable: rerun the same command)")
     _train_common(th)
-    th.add_argument("--kind", choices=["mtp", "eagle"], default="mtp")
+    th.add_argument("--kind", choices=["mtp", "eagle", "eagle3"], default="mtp",
+                    help="eagle3: fused low/mid/high target features, own lm_head over the draft "
+                         "vocabulary, trained with the training-time test (--rollout, default 3 "
+                         "for eagle3) and saved in the reference EAGLE-3 layout")
+    th.add_argument("--rollout-decay", type=float, default=None,
+                    help="loss weight of rollout pass r is DECAY**r (default 0.8 for eagle3, else 1)")
     th.add_argument("--draft-vocab", type=int, default=0,
                     help="score only this many of the training answers' most frequent tokens "
                          "(EAGLE-3's reduced draft vocabulary; 0 = the full vocabulary)")

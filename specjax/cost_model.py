@@ -115,15 +115,15 @@ def measure_costs(target_params, target_cfg, draft_params, draft_cfg, *, method:
         @jax.jit
         def g(params, tparams, kv):
             toks = jnp.zeros((batch, t), jnp.int32)
-            feats = jnp.zeros((batch, t, target_cfg.hidden_size), dtype)
+            feats = jnp.zeros((batch, t, draft_cfg.layer.hidden_size), dtype)
             pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-            hh, kv = heads.head_forward(params, draft_cfg, tparams, target_cfg, toks, feats, pos, kv,
+            hh, kv = heads.head_forward(params, draft_cfg, tparams, toks, feats, pos, kv,
                                         page_table, start, attn_impl=attn_impl)
             return heads.head_logits(params, draft_cfg, tparams, target_cfg, hh[:, -1]), kv
         return _time(g, draft_params, target_params, kv)
 
     verify = [fwd_target(t) for t in range(1, kmax + 2)]
-    if method in ("draft", "mtp", "eagle"):
+    if method in ("draft", "mtp", "eagle", "eagle3"):
         d1, dk = fwd_draft(1), fwd_draft(kmax + 1)
         d2 = fwd_draft(2) if method == "draft" else None
     costs = [1.0]
@@ -131,7 +131,7 @@ def measure_costs(target_params, target_cfg, draft_params, draft_cfg, *, method:
         c = verify[k]
         if method == "draft":  # k-1 rollout steps + a two-token catch-up
             c += (k - 1) * d1 + d2
-        elif method in ("mtp", "eagle"):  # k-1 rollout steps + a (k+1)-token re-run
+        elif method in ("mtp", "eagle", "eagle3"):  # k-1 rollout steps + a (k+1)-token re-run
             c += (k - 1) * d1 + d1 + (dk - d1) * k / kmax
         costs.append(float(c / verify[0]))
     costs = [float(x) for x in np.maximum(costs, 1e-3)]

@@ -52,7 +52,7 @@ from specjax import attention as attn_lib
 from specjax.config import eos_ids, parse_eos
 from specjax import kv_cache
 from specjax import moe as moe_lib
-from specjax.model import embed, lm_head, rms_norm
+from specjax.model import check_aux_layers, embed, lm_head, rms_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -450,24 +450,32 @@ def expanded_bytes_per_token(cfg: DeepseekConfig, dtype=jnp.float32) -> int:
 
 def forward(params, cfg: DeepseekConfig, tokens, positions, kv: kv_cache.KVCache, page_table,
             cache_start, num_new=None, new_mask=None, *, attn_impl: str = "reference",
-            return_logits: bool = True, inputs_embeds=None):
+            return_logits: bool = True, inputs_embeds=None, aux_layers: tuple = ()):
     """Same contract as ``specjax.model.forward`` (see there), over the latent cache.
 
     Returns:
-      (logits [B, T, V] float32 or None, hidden [B, T, E] final pre-norm hidden states, kv).
+      (logits [B, T, V] float32 or None, hidden [B, T, E] final pre-norm hidden states, kv), and
+      with ``aux_layers`` the hidden states entering those layers [B, T, len(aux_layers) * E].
     """
     b, t = positions.shape
     if num_new is None:
         num_new = jnp.full((b,), t, jnp.int32)
     valid = jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]
     x = embed(params, tokens) if inputs_embeds is None else inputs_embeds
+    check_aux_layers(aux_layers, cfg.num_layers)
     pools = list(kv.k)
+    taps = {}  # EAGLE-3 features: hidden states entering the aux layers
     for i, lp in enumerate(params["layers"]):
+        if i in aux_layers:
+            taps[i] = x
         with jax.named_scope(f"layer_{i}"):
             x, pools[i] = decoder_layer(lp, cfg, x, positions, pools[i], page_table, cache_start,
                                         valid, new_mask, attn_impl)
+    taps[len(params["layers"])] = x
     kv = kv_cache.KVCache(k=tuple(pools), v=kv.v)
     logits = lm_head(params, cfg, x) if return_logits else None
+    if aux_layers:
+        return logits, x, kv, jnp.concatenate([taps[i] for i in aux_layers], axis=-1)
     return logits, x, kv
 
 

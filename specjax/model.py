@@ -122,11 +122,14 @@ def resolve_attention_core(attn_impl, cfg: ModelConfig):
 
 
 def decoder_layer(lp, cfg: ModelConfig, x, positions, k_pages, v_pages, page_table, cache_start,
-                  valid, new_mask, attn_impl):
+                  valid, new_mask, attn_impl, attn_in=None):
     """One pre-norm Llama block; writes this layer's K/V for the new tokens.
 
     Args:
-      lp: the layer's params dict; x: [B, T, E]; positions: [B, T] RoPE positions.
+      lp: the layer's params dict; x: [B, T, E] (the residual stream); positions: [B, T] RoPE
+        positions.
+      attn_in: optional [B, T, E'] attention input used instead of ``rms_norm(x, attn_norm)``
+        (EAGLE-3's midlayer attends over concat(embedding, hidden), E' = 2E; q/k/v are [E', .]).
       k_pages, v_pages: [Hkv, P, S, D]; page_table: [B, Pmax]; cache_start: [B];
       valid: [B, T] bool (padding tokens are not written); new_mask: [B, T, T] bool or None.
     Returns:
@@ -136,7 +139,7 @@ def decoder_layer(lp, cfg: ModelConfig, x, positions, k_pages, v_pages, page_tab
     h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     with jax.named_scope("attention"):
-        y = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        y = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps) if attn_in is None else attn_in
         q = _linear(y, lp["wq"], lp.get("bq")).reshape(b, t, h, d)
         k = _linear(y, lp["wk"], lp.get("bk")).reshape(b, t, hkv, d)
         v = _linear(y, lp["wv"], lp.get("bv")).reshape(b, t, hkv, d)
@@ -168,7 +171,7 @@ def embed(params, tokens):
 
 def forward(params, cfg: ModelConfig, tokens, positions, kv: kv_cache.KVCache, page_table,
             cache_start, num_new=None, new_mask=None, *, attn_impl: str = "reference",
-            return_logits: bool = True, inputs_embeds=None):
+            return_logits: bool = True, inputs_embeds=None, aux_layers: tuple = ()):
     """Runs the decoder over T new tokens per sequence against a paged cache.
 
     One function for prefill (cache_start = 0, T = prompt length), decode (T = 1) and
@@ -188,22 +191,42 @@ def forward(params, cfg: ModelConfig, tokens, positions, kv: kv_cache.KVCache, p
       attn_impl: "reference" or "pallas", or an implementation object (``resolve_attention_core``).
       return_logits: False skips the lm_head (returns None for logits).
       inputs_embeds: optional [B, T, E] to feed instead of embedding ``tokens`` (draft heads).
+      aux_layers: static tuple of layer indices i in [0, L]: also return the hidden states
+        *entering* layer i (transformers' ``hidden_states[i]``; 0 = the embeddings, L = the final
+        pre-norm output), concatenated in the given order (EAGLE-3 features, same pass).
     Returns:
-      (logits [B, T, V] float32 or None, hidden [B, T, E] final pre-norm hidden states, kv).
+      (logits [B, T, V] float32 or None, hidden [B, T, E] final pre-norm hidden states, kv), and
+      with ``aux_layers`` a fourth item aux [B, T, len(aux_layers) * E].
     """
     b, t = positions.shape
     if num_new is None:
         num_new = jnp.full((b,), t, jnp.int32)
     valid = jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]  # [B, T]
     x = embed(params, tokens) if inputs_embeds is None else inputs_embeds
+    check_aux_layers(aux_layers, cfg.num_layers)
     ks, vs = list(kv.k), list(kv.v)
+    taps = {}  # EAGLE-3 features: hidden states entering the aux layers
     for i, lp in enumerate(params["layers"]):
+        if i in aux_layers:
+            taps[i] = x
         with jax.named_scope(f"layer_{i}"):
             x, ks[i], vs[i] = decoder_layer(lp, cfg, x, positions, ks[i], vs[i], page_table,
                                             cache_start, valid, new_mask, attn_impl)
+    taps[len(params["layers"])] = x
     kv = kv_cache.KVCache(k=tuple(ks), v=tuple(vs))
     logits = lm_head(params, cfg, x) if return_logits else None
+    if aux_layers:
+        return logits, x, kv, jnp.concatenate([taps[i] for i in aux_layers], axis=-1)
     return logits, x, kv
+
+
+def check_aux_layers(aux_layers, num_layers: int) -> None:
+    """ValueError unless ``aux_layers`` is a tuple of ints in [0, num_layers] (forward's taps)."""
+    if not isinstance(aux_layers, tuple) or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= num_layers
+            for i in aux_layers):
+        raise ValueError(f"aux_layers must be a tuple of ints in [0, {num_layers}], "
+                         f"got {aux_layers!r}")
 
 
 def init_params(cfg: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02):

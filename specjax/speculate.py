@@ -15,7 +15,9 @@ One speculative step (method "draft", k = num_draft_tokens), all on device:
   5. n += a + 1, last_token = y; tokens go into the output buffer, stopping at EOS/max_new.
 Method "none" is the same loop with a one-token target forward and ordinary sampling.
 
-Methods "mtp" and "eagle" draft with a head fed by target features (specjax.heads). Head
+Methods "mtp", "eagle" and "eagle3" draft with a head fed by target features (specjax.heads;
+EAGLE-3's features are fc(hidden states entering three target layers), collected by the same
+target forward through its ``aux_layers`` argument, no extra pass). Head
 position j consumes (x_{j+1}, f_j) and predicts x_{j+2}; its cache holds positions j <= n-2
 (as many entries as the target's), draft_logits come from position n-2 and predict x_n, and
 head_hidden is the head's own output there. Rollout: d_1 from the carried logits, then d_i from
@@ -73,6 +75,19 @@ def forward(params, cfg, *args, **kw):
     return fn(params, cfg, *args, **kw)
 
 
+def target_forward(params, cfg, *args, aux_layers: tuple = (), **kw):
+    """forward plus the hidden states entering ``aux_layers`` (EAGLE-3 features):
+    (logits, hidden, kv, aux [B, T, A*E] or None when aux_layers is empty)."""
+    if not aux_layers:
+        return (*forward(params, cfg, *args, **kw), None)
+    return forward(params, cfg, *args, aux_layers=aux_layers, **kw)
+
+
+def aux_layers_for(lc, draft_cfg) -> tuple:
+    """The target layers a head's features need (EAGLE-3), else ()."""
+    return draft_cfg.aux_layers if lc.uses_head else ()
+
+
 def init_cache(cfg, num_pages, page_size, dtype):
     """The family's paged cache: Llama K/V pools or DeepSeek latent pools."""
     init = deepseek.init_cache if isinstance(cfg, deepseek.DeepseekConfig) else kv_cache.init_cache
@@ -80,7 +95,8 @@ def init_cache(cfg, num_pages, page_size, dtype):
 
 
 # The methods this decode loop implements (config.METHODS lists every name SpecConfig accepts).
-METHODS = ("none", "draft", "mtp", "eagle", "eagle-tree", "ngram")
+METHODS = ("none", "draft", "mtp", "eagle", "eagle3", "eagle-tree", "ngram")
+HEAD_METHODS = ("mtp", "eagle", "eagle3", "eagle-tree")  # methods drafting with a specjax.heads.Head
 
 
 
@@ -180,13 +196,14 @@ def _emit(state: DecodeState, emitted, count_raw, rp: RowParams):
 
 
 def extend_draft(target_params, target_cfg, draft_params, draft_cfg, tokens, hidden, start,
-                 num_new, after, draft_kv, page_table, lc: SpecConfig):
+                 num_new, after, draft_kv, page_table, lc: SpecConfig, aux=None):
     """Advances the draft LLM or head over a span the target has just processed (a prompt, a
     prefill chunk, or one decode token), restoring the invariant in the module docstring.
 
     Args:
       tokens: [B, T] int32 the span, row b's valid part ``tokens[b, :num_new[b]]`` at positions
-        ``start[b]..``; hidden: [B, T, E] the target's final hidden states over it.
+        ``start[b]..``; hidden: [B, T, E] the target's final hidden states over it; aux:
+        [B, T, A*E] the states entering the head's aux layers (EAGLE-3) or None.
       start, num_new: [B] int32; after: [B] int32 the token following the span (the one just
         sampled, or the next prefill chunk's first token).
       draft_kv: the draft / head cache (None for methods without one); page_table: [B, Pmax].
@@ -200,9 +217,9 @@ def extend_draft(target_params, target_cfg, draft_params, draft_cfg, tokens, hid
         # Head position j consumes (x_{j+1}, f_j): the span shifted left, `after` at its end.
         shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
         shifted = jax.vmap(lambda row, i, v: row.at[i].set(v))(shifted, num_new - 1, after)
-        feats = heads.head_features(target_params, target_cfg, hidden, draft_cfg)
-        hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg, shifted,
-                                          feats, positions, draft_kv, page_table, start, num_new,
+        feats = heads.head_features(draft_params, draft_cfg, target_params, target_cfg, hidden, aux)
+        hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, shifted, feats,
+                                          positions, draft_kv, page_table, start, num_new,
                                           attn_impl=lc.attn_impl)
         head_hidden = jnp.take_along_axis(hh, (num_new - 1)[:, None, None], axis=1)[:, 0]
         draft_logits = heads.head_logits(draft_params, draft_cfg, target_params, target_cfg,
@@ -240,9 +257,10 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
     positions = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (b, tp))
 
     target_kv = init_cache(target_cfg, num_pages, lc.page_size, kv_dtype)
-    _, hidden, target_kv = forward(target_params, target_cfg, tokens, positions, target_kv,
-                                   page_table, zeros, prompt_lens, attn_impl=lc.attn_impl,
-                                   return_logits=False)
+    _, hidden, target_kv, aux = target_forward(target_params, target_cfg, tokens, positions,
+                                               target_kv, page_table, zeros, prompt_lens,
+                                               attn_impl=lc.attn_impl, return_logits=False,
+                                               aux_layers=aux_layers_for(lc, draft_cfg))
     last_h = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]  # [B, E]
     logits = lm_head(target_params, target_cfg, last_h)  # [B, V]
     first = _sample(_step_keys(row_keys, 0, 0), logits, rp)  # [B]
@@ -254,7 +272,7 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
         draft_kv = init_cache(draft_cfg, num_pages, lc.page_size, kv_dtype)
     draft_kv, draft_logits, head_hidden = extend_draft(
         target_params, target_cfg, draft_params, draft_cfg, tokens, hidden, zeros, prompt_lens,
-        first, draft_kv, page_table, lc)
+        first, draft_kv, page_table, lc, aux)
 
     state = DecodeState(
         target_kv=target_kv, draft_kv=draft_kv, page_table=page_table, lengths=prompt_lens + 1,
@@ -305,7 +323,7 @@ def _draft_rollout(target_params, target_cfg, draft_params, draft_cfg, state: De
         d, q = pick(logits, i)
         if lc.uses_head:  # head position n-2+i+1 fed its own previous output
             pos = n - 1 + i
-            hh, kv = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg,
+            hh, kv = heads.head_forward(draft_params, draft_cfg, target_params,
                                         d[:, None], feat[:, None], pos[:, None], kv,
                                         state.page_table, pos, attn_impl=lc.attn_impl)
             feat = hh[:, 0]
@@ -377,7 +395,7 @@ def _draft_ngram(target_params, target_cfg, draft_params, draft_cfg, state, rp, 
                   from_ngram=None)
 
 
-_DRAFTERS = {"draft": _draft_model, "mtp": _draft_model, "eagle": _draft_model,
+_DRAFTERS = {"draft": _draft_model, "mtp": _draft_model, "eagle": _draft_model, "eagle3": _draft_model,
              "ngram": _draft_ngram}
 
 
@@ -418,16 +436,18 @@ def _plain_step(target_params, target_cfg, draft_params, draft_cfg, state: Decod
     n = state.lengths
     active = ~state.done
     acc_keys = _step_keys(state.row_keys, state.step, 2)
-    logits, hidden, target_kv = forward(target_params, target_cfg, state.last_token[:, None],
-                                        (n - 1)[:, None], state.target_kv, state.page_table, n - 1,
-                                        attn_impl=lc.attn_impl)
+    logits, hidden, target_kv, aux = target_forward(
+        target_params, target_cfg, state.last_token[:, None], (n - 1)[:, None], state.target_kv,
+        state.page_table, n - 1, attn_impl=lc.attn_impl,
+        aux_layers=aux_layers_for(lc, draft_cfg) if state.logits_stale is not None else ())
     y = _sample(acc_keys, logits[:, 0], rp)
     zeros = jnp.zeros((b,), jnp.int32)
     updates = {"target_kv": target_kv}
     if state.logits_stale is not None:
         if lc.uses_head:  # head position n-1 consumes (x_n = y, f_{n-1})
-            feats = heads.head_features(target_params, target_cfg, hidden, draft_cfg)
-            hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg,
+            feats = heads.head_features(draft_params, draft_cfg, target_params, target_cfg, hidden,
+                                        aux)
+            hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params,
                                               y[:, None], feats, (n - 1)[:, None], state.draft_kv,
                                               state.page_table, n - 1, attn_impl=lc.attn_impl)
             updates["head_hidden"] = jnp.where(active[:, None], hh[:, 0], state.head_hidden)
@@ -455,9 +475,9 @@ def _chain_step(target_params, target_cfg, draft_params, draft_cfg, state: Decod
     d, draft_kv = dr.tokens, dr.draft_kv
     verify_tokens = jnp.concatenate([state.last_token[:, None], d], axis=1)  # [B, K+1]
     positions = (n - 1)[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-    logits, hidden, target_kv = forward(target_params, target_cfg, verify_tokens, positions,
-                                        state.target_kv, state.page_table, n - 1,
-                                        attn_impl=lc.attn_impl)
+    logits, hidden, target_kv, aux = target_forward(
+        target_params, target_cfg, verify_tokens, positions, state.target_kv, state.page_table,
+        n - 1, attn_impl=lc.attn_impl, aux_layers=aux_layers_for(lc, draft_cfg))
     a, y = _accept(acc_keys, d, logits, dr.probs, rp)  # logits [B, K+1, V]
     if lc.method == "ngram":  # rows without a match take an ordinary sample from p_0 (lossless)
         y0 = _sample(_step_keys(state.row_keys, state.step, 3), logits[:, 0], rp)
@@ -469,8 +489,8 @@ def _chain_step(target_params, target_cfg, draft_params, draft_cfg, state: Decod
     if lc.uses_head:
         # Shifted verify tokens with y inserted at a, re-run over all k+1 positions with the
         # target's features (static shapes; positions past a are stale and overwritten later).
-        feats = heads.head_features(target_params, target_cfg, hidden, draft_cfg)
-        hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg,
+        feats = heads.head_features(draft_params, draft_cfg, target_params, target_cfg, hidden, aux)
+        hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params,
                                           emitted, feats, positions, draft_kv, state.page_table,
                                           n - 1, a + 1, attn_impl=lc.attn_impl)
         h_a = jnp.take_along_axis(hh, a[:, None, None], axis=1)[:, 0]  # [B, E]
@@ -559,7 +579,7 @@ def _tree_step(target_params, target_cfg, draft_params, draft_cfg, state: Decode
     draft_kv = [state.draft_kv]  # threaded through the level-by-level head runs
 
     def head_run(tokens, feats, positions, mask, num_new):
-        hh, draft_kv[0] = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg,
+        hh, draft_kv[0] = heads.head_forward(draft_params, draft_cfg, target_params,
                                              tokens, feats, positions, draft_kv[0], page_table,
                                              n - 1, num_new, mask, attn_impl=lc.attn_impl)
         return hh
@@ -571,9 +591,10 @@ def _tree_step(target_params, target_cfg, draft_params, draft_cfg, state: Decode
                                              head_run, head_logits)  # [B,N], [B,N+1], [B,N+1]
     verify_tokens = jnp.concatenate([state.last_token[:, None], tokens], axis=1)  # [B, N+1]
     positions = (n - 1)[:, None] + depth
-    logits, hidden, target_kv = forward(target_params, target_cfg, verify_tokens, positions,
-                                        state.target_kv, page_table, n - 1,
-                                        new_mask=tree.ancestor_mask(parents), attn_impl=lc.attn_impl)
+    logits, hidden, target_kv, aux = target_forward(
+        target_params, target_cfg, verify_tokens, positions, state.target_kv, page_table, n - 1,
+        new_mask=tree.ancestor_mask(parents), attn_impl=lc.attn_impl,
+        aux_layers=aux_layers_for(lc, draft_cfg))
     acc_keys = _step_keys(state.row_keys, state.step, 2)
     a, y, path = _accept_tree(acc_keys, tokens, parents, depth, logits, rp, d_max)  # path [B, D+1]
     path_tokens = jnp.take_along_axis(verify_tokens, path[:, 1:], axis=1)  # [B, D]
@@ -582,9 +603,12 @@ def _tree_step(target_params, target_cfg, draft_params, draft_cfg, state: Decode
     # The accepted path's K/V into cache order (root already sits at n - 1).
     target_kv = tree.copy_slots(target_kv, page_table, n - 1, path, jnp.where(active, a + 1, 0))
     # Head re-run over the accepted path with the target's features (as the chain's shift).
-    feats = heads.head_features(target_params, target_cfg,
-                                jnp.take_along_axis(hidden, path[:, :, None], axis=1), draft_cfg)
-    hh, new_draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg,
+    def on_path(x):  # [B, N+1, .] -> [B, D+1, .] the accepted path's rows
+        return None if x is None else jnp.take_along_axis(x, path[:, :, None], axis=1)
+
+    feats = heads.head_features(draft_params, draft_cfg, target_params, target_cfg,
+                                on_path(hidden), on_path(aux))
+    hh, new_draft_kv = heads.head_forward(draft_params, draft_cfg, target_params,
                                           emitted, feats, (n - 1)[:, None] + idx, draft_kv[0],
                                           page_table, n - 1, a + 1, attn_impl=lc.attn_impl)
     h_a = jnp.take_along_axis(hh, a[:, None, None], axis=1)[:, 0]  # [B, E]

@@ -182,8 +182,8 @@ def test_mtp_logits_match_hand_computation(v3):
     cfg = head.config.layer
     kv, pt = deepseek.init_cache(cfg, 8, 8), kv_cache.contiguous_page_table(2, 4)
     feats = jnp.asarray(h[:, :t].numpy())
-    hh, _ = heads.head_forward(head.params, head.config, target.params, target.config,
-                               jnp.asarray(ids[:, 1:]), feats, jnp.broadcast_to(jnp.arange(t), (2, t)),
+    hh, _ = heads.head_forward(head.params, head.config, target.params, jnp.asarray(ids[:, 1:]),
+                               feats, jnp.broadcast_to(jnp.arange(t), (2, t)),
                                kv, pt, jnp.zeros(2, jnp.int32))
     logits = heads.head_logits(head.params, head.config, target.params, target.config, hh)
     assert "router" in head.params["layer"] and "lm_head" not in head.params  # MoE block, shared head

@@ -111,10 +111,10 @@ def test_carried_head_state_equals_teacher_forcing(predictable, kind, k):
         seq = _committed(state, i)
         n = len(seq)
         hidden = _teacher_forced(target, seq[:-1])  # target features f_0..f_{n-2}
-        feats = heads.head_features(target.params, target.config, hidden, head.config)
+        feats = heads.head_features(head.params, head.config, target.params, target.config, hidden)
         kv = kv_cache.init_cache(head.config.layer, 8, 16)
-        hh, _ = heads.head_forward(head.params, head.config, target.params, target.config,
-                                   jnp.asarray([seq[1:]]), feats, jnp.arange(n - 1)[None], kv,
+        hh, _ = heads.head_forward(head.params, head.config, target.params, jnp.asarray([seq[1:]]),
+                                   feats, jnp.arange(n - 1)[None], kv,
                                    kv_cache.contiguous_page_table(1, 8), jnp.zeros(1, jnp.int32))
         want = heads.head_logits(head.params, head.config, target.params, target.config, hh[0, -1])
         np.testing.assert_allclose(state.head_hidden[i], hh[0, -1], rtol=1e-4, atol=1e-4)

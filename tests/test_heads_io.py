@@ -81,8 +81,8 @@ def _eagle_inputs(target):
 
 def _run_head(head, target, tokens, features):
     kv = kv_cache.init_cache(head.config.layer, 4, 4)
-    hidden, _ = head_forward(head.params, head.config, target.params, target.config,
-                             jnp.asarray(tokens), jnp.asarray(features), jnp.arange(T)[None], kv,
+    hidden, _ = head_forward(head.params, head.config, target.params, jnp.asarray(tokens),
+                             jnp.asarray(features), jnp.arange(T)[None], kv,
                              kv_cache.contiguous_page_table(1, 4), jnp.zeros(1, jnp.int32))
     return hidden, head_logits(head.params, head.config, target.params, target.config, hidden)
 

@@ -329,9 +329,9 @@ def test_kv_compaction_matches_fresh_prefill(small_vocab_target, tc, temperature
     kv, pt = kv_cache.init_contiguous(target.config, b, t + 8)
     want, hidden, _ = forward(target.params, target.config, padded, pos, kv, pt, zeros, n)
     shifted = jnp.concatenate([padded[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
-    feats = heads.head_features(target.params, target.config, hidden, head.config)
+    feats = heads.head_features(head.params, head.config, target.params, target.config, hidden)
     hkv, hpt = kv_cache.init_contiguous(head.config.layer, b, t + 8)
-    hh, _ = heads.head_forward(head.params, head.config, target.params, target.config, shifted,
+    hh, _ = heads.head_forward(head.params, head.config, target.params, shifted,
                                feats, pos, hkv, hpt, zeros, n - 1)
     for i in range(b):
         np.testing.assert_allclose(logits[i, 0], want[i, n[i] - 1], rtol=1e-4, atol=1e-4)

@@ -45,7 +45,7 @@ import numpy as np
 
 from specjax import kv_cache, ngram, sampling, speculate
 from specjax.config import SpecConfig
-from specjax.model import forward, lm_head
+from specjax.model import lm_head
 
 (COL_KIND, COL_SLOT, COL_START, COL_NUM_NEW, COL_FINAL, COL_NEXT, COL_SEED, COL_TEMP, COL_TOP_K,
  COL_TOP_P) = range(10)
@@ -97,7 +97,7 @@ def init_state(target_cfg, draft_cfg, sc: StepConfig, num_pages: int, dtype) -> 
         draft_kv = kv_cache.init_cache(draft_cfg, num_pages, lc.page_size, dtype)
     elif lc.uses_head:
         draft_kv = kv_cache.init_cache(draft_cfg.layer, num_pages, lc.page_size, dtype)
-        head_hidden = jnp.zeros((s1, target_cfg.hidden_size), dtype)
+        head_hidden = jnp.zeros((s1, draft_cfg.layer.hidden_size), dtype)
     if lc.method not in ("none", "ngram"):
         draft_logits = jnp.zeros((s1, target_cfg.vocab_size), jnp.float32)
     extra = {}
@@ -210,9 +210,10 @@ def _extend(target_params, draft_params, state: SlotState, meta, *, target_cfg, 
     tokens = tokens.at[:, 0].set(jnp.where(is_dec, state.last_token[slot], tokens[:, 0]))
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
 
-    _, hidden, target_kv = forward(target_params, target_cfg, tokens, positions, state.target_kv,
-                                   page_table, start, num_new, attn_impl=lc.attn_impl,
-                                   return_logits=False)
+    _, hidden, target_kv, aux = speculate.target_forward(
+        target_params, target_cfg, tokens, positions, state.target_kv, page_table, start, num_new,
+        attn_impl=lc.attn_impl, return_logits=False,
+        aux_layers=speculate.aux_layers_for(lc, draft_cfg))
     last_h = jnp.take_along_axis(hidden, (num_new - 1)[:, None, None], axis=1)[:, 0]  # [B, E]
     logits = lm_head(target_params, target_cfg, last_h)  # [B, V]
     pos_new = start + num_new  # position of the sampled token
@@ -226,7 +227,7 @@ def _extend(target_params, draft_params, state: SlotState, meta, *, target_cfg, 
     # rewrites x_{n-1} with identical K/V and writes y).
     draft_kv, draft_logits, head_hidden = speculate.extend_draft(
         target_params, target_cfg, draft_params, draft_cfg, tokens, hidden, start, num_new, after,
-        state.draft_kv, page_table, lc)
+        state.draft_kv, page_table, lc, aux)
 
     state = dataclasses.replace(state, target_kv=target_kv, draft_kv=draft_kv)
     if state.history is not None:

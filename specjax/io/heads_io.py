@@ -1,6 +1,6 @@
 """Draft-head checkpoints <-> ``specjax.heads.Head``.
 
-Three formats:
+Four formats:
 
 * **EAGLE-1** (SafeAILab/EAGLE ``cnets1.Model`` state dicts, ``pytorch_model.bin`` or
   ``*.safetensors`` + optional Llama-style ``config.json``)::
@@ -23,6 +23,24 @@ Three formats:
 
   These readers/writers cover heads with a dense Llama block; a DeepSeek-V3 MTP block (MLA + MoE)
   is read with the DeepSeek target by ``specjax.io.deepseek_hf.mtp_head_from_hf``.
+* **EAGLE-3** (SafeAILab/EAGLE ``cnets.Model`` / SpecForge ``LlamaForCausalLMEagle3``: what vLLM
+  and SGLang load), a directory with ``config.json`` (``architectures:
+  ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size``, optional ``target_hidden_size`` and
+  ``eagle_config.eagle_aux_hidden_state_layer_ids``) and ``model.safetensors`` or
+  ``pytorch_model.bin``::
+
+      fc.weight [E, 3E_t]                      # fc(cat(low, mid, high)), no bias
+      midlayer.input_layernorm.weight [E]      # -> enorm (on the embedding)
+      midlayer.hidden_norm.weight [E]          # -> hnorm (on the feature)
+      midlayer.self_attn.{q,k,v}_proj.weight [., 2E], o_proj [E, H*D]
+      midlayer.post_attention_layernorm.weight, midlayer.mlp.{gate,up,down}_proj.weight
+      norm.weight [E]                          # -> final_norm
+      lm_head.weight [Vd, E]                   # the head's own, over the draft vocabulary
+      d2t [Vd] int64                           # draft id d -> target id d + d2t[d]
+      t2d [V] bool                             # target id in the draft vocabulary
+      embed_tokens.weight [V, E]               # optional; the target's when absent
+
+  See load_eagle3 for the convention of ``eagle_aux_hidden_state_layer_ids``.
 * **Ours**: orbax params + ``specjax_config.json`` (``kind="head"``, the HeadConfig in ``extra``).
 
 Torch Linear weights are [out, in]; specjax stores [in, out], so every projection is transposed.
@@ -44,10 +62,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.heads import Head, HeadConfig, cast_floats, init_head
+from specjax.heads import Head, HeadConfig, cast_floats, default_aux_layers, init_head
 from specjax.io.hf import _LAYER_TABLE, _read_safetensors
 
-__all__ = ["load_eagle1", "save_mtp_deepseek", "load_mtp_deepseek", "save_head", "load_head"]
+__all__ = ["load_eagle1", "load_eagle3", "save_eagle3", "is_eagle3_dir", "save_mtp_deepseek",
+           "load_mtp_deepseek", "save_head", "load_head"]
 
 # our layer-dict key -> (HF/torch name inside a decoder layer, transpose?)
 _INV_LAYER = {ours: (name, transpose) for name, (ours, transpose) in _LAYER_TABLE.items()}
@@ -166,6 +185,8 @@ def _build_params(tensors, table, source, dtype, shared: Mapping[str, tuple[int,
 
 def _check_params(params, cfg: HeadConfig, source: str) -> None:
     want = _expected_shapes(cfg)
+    if cfg.kind == "eagle3" and "embed" in params:  # an EAGLE-3 head's own embedding (optional)
+        want[("embed",)] = (cfg.layer.vocab_size, cfg.layer.hidden_size)
     have = {}
     for k, v in params.items():
         if isinstance(v, Mapping):
@@ -233,6 +254,214 @@ def load_eagle1(path_or_state_dict, target_cfg: ModelConfig, dtype=jnp.float32) 
     params = _build_params(tensors, table, source, dtype, shared,
                            skip=lambda n: n == "layers.0." + _ROTARY)
     return Head(params, cfg)
+
+
+# --------------------------------------------------------------------------------------- EAGLE-3
+
+_EAGLE3_ARCH = "LlamaForCausalLMEagle3"
+_EAGLE3_TOP = {"fc": ("fc.weight", True), "enorm": ("midlayer.input_layernorm.weight", False),
+               "hnorm": ("midlayer.hidden_norm.weight", False),
+               "final_norm": ("norm.weight", False), "lm_head": ("lm_head.weight", True)}
+
+
+def _eagle3_table(cfg: HeadConfig):
+    table = _name_table(cfg, dict(_EAGLE3_TOP, draft_vocab=("d2t", False)), "midlayer.")
+    return {k: v for k, v in table.items() if k != "d2t"}  # d2t/t2d: int/bool, read separately
+
+
+def is_eagle3_dir(path) -> bool:
+    """True for a directory whose config.json names an EAGLE-3 architecture."""
+    cfg_path = os.path.join(os.fspath(path), "config.json")
+    if not os.path.isfile(cfg_path):
+        return False
+    with open(cfg_path) as f:
+        try:
+            archs = json.load(f).get("architectures") or []
+        except (json.JSONDecodeError, AttributeError):
+            return False
+    return any("eagle3" in str(a).lower() for a in archs)
+
+
+def _shape_error(source, name, got, want, what=""):
+    return ValueError(f"{source}: tensor {name!r} has shape {tuple(got)}, expected {tuple(want)}"
+                      + (f" ({what})" if what else ""))
+
+
+def load_eagle3(path_or_state_dict, target_cfg: ModelConfig, dtype=jnp.float32, *,
+                hf_config: dict | None = None, aux_layers: tuple[int, ...] | None = None,
+                target_params=None) -> Head:
+    """Loads an EAGLE-3 head in the reference layout (see the module docstring).
+
+    Which target hidden states are fused: without ``eagle_aux_hidden_state_layer_ids`` the
+    default, the states *entering* layers (2, L//2, L-3) (transformers ``hidden_states[i]``);
+    every engine agrees there. Explicit ids follow SpecForge's and SGLang's convention: id i
+    names the layer whose *output* is taken, i.e. ``hidden_states[i + 1]`` (SpecForge writes its
+    default as [1, L//2 - 1, L - 4] and SGLang captures ``[i + 1 for i in ids]``). vLLM passes the
+    ids through as capture-before-layer indices, one layer lower; we follow SpecForge/SGLang
+    because SpecForge trains and writes most published heads with explicit ids, and the ids we
+    save round-trip through it. Pass ``aux_layers`` (hidden_states indices) to override.
+
+    Args:
+      path_or_state_dict: a directory (``config.json`` + ``*.safetensors`` or
+        ``pytorch_model*.bin``), or a {name: array/tensor} dict with ``hf_config`` given.
+      target_cfg: the target's ModelConfig (the fused features' width and layer count, vocab).
+      dtype: the float params' dtype.
+      hf_config: the head's config.json as a dict (default: read from the directory).
+      aux_layers: override the fused layers (hidden_states indices in [0, L]).
+      target_params: the target's params; an ``embed_tokens.weight`` equal to the target's
+        embedding is then dropped (shared) instead of kept as the head's own ``embed``.
+    Returns:
+      Head(kind="eagle3"): fc [3E_t, E], enorm/hnorm/final_norm [E], layer (q/k/v [2E, .]),
+      lm_head [E, Vd], draft_vocab [Vd] = arange(Vd) + d2t (absent for a full vocabulary),
+      optional embed [V, E].
+    Raises:
+      ValueError naming the tensor (or config field) and both shapes when the checkpoint does not
+      fit the target: hidden size, vocabulary, missing/unexpected tensors, d2t out of range.
+    """
+    tensors, file_cfg, source = _read_tensors(path_or_state_dict)
+    hf = hf_config if hf_config is not None else file_cfg
+    if hf is None:
+        raise ValueError(f"{source}: an EAGLE-3 head needs its config.json (pass hf_config=...)")
+    try:
+        ecfg = ModelConfig.from_hf_config(dict(hf, num_hidden_layers=1))
+    except KeyError as e:
+        raise ValueError(f"{source}: config.json lacks {e.args[0]!r}") from None
+    if ecfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(f"{source}: config.json vocab_size {ecfg.vocab_size} != the target's "
+                         f"vocab_size {target_cfg.vocab_size}")
+    et = int(hf.get("target_hidden_size") or target_cfg.hidden_size)
+    if et != target_cfg.hidden_size:
+        raise ValueError(f"{source}: config.json target_hidden_size {et} != the target's "
+                         f"hidden_size {target_cfg.hidden_size}")
+    num_layers = target_cfg.num_layers
+    if aux_layers is None:
+        ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        aux_layers = (default_aux_layers(num_layers) if ids is None
+                      else tuple(int(i) + 1 for i in ids))
+    aux_layers = tuple(int(i) for i in aux_layers)
+    if not aux_layers or any(not 0 <= i <= num_layers for i in aux_layers):
+        raise ValueError(f"{source}: fused layers {aux_layers} (hidden_states indices) must be in "
+                         f"[0, {num_layers}] for a {num_layers}-layer target")
+    v = target_cfg.vocab_size
+    vd = int(hf.get("draft_vocab_size") or v)
+    if not 0 < vd <= v:
+        raise ValueError(f"{source}: config.json draft_vocab_size {vd} must be in [1, {v}]")
+    layer = dataclasses.replace(
+        ecfg, num_layers=1, attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+        max_position_embeddings=max(ecfg.max_position_embeddings,
+                                    target_cfg.max_position_embeddings),
+        bos_token_id=target_cfg.bos_token_id, eos_token_id=target_cfg.eos_token_id)
+    tensors = dict(tensors)
+    d2t = tensors.pop("d2t", None)
+    t2d = tensors.pop("t2d", None)
+    emb = tensors.pop("embed_tokens.weight", None)
+    if d2t is None:
+        raise ValueError(f"{source}: missing tensor 'd2t' (draft -> target id offsets, [{vd}])")
+    d2t = np.asarray(d2t)
+    if d2t.shape != (vd,):
+        raise _shape_error(source, "d2t", d2t.shape, (vd,), "draft_vocab_size")
+    vocab = np.arange(vd, dtype=np.int64) + d2t.astype(np.int64)
+    if vocab.min() < 0 or vocab.max() >= v:
+        bad = int(np.argmax((vocab < 0) | (vocab >= v)))
+        raise ValueError(f"{source}: d2t maps draft id {bad} to target id {int(vocab[bad])}, "
+                         f"outside the target's vocabulary [0, {v})")
+    if len(np.unique(vocab)) != vd:
+        raise ValueError(f"{source}: d2t maps two draft ids to the same target id")
+    if t2d is not None:
+        t2d = np.asarray(t2d)
+        if t2d.shape != (v,):
+            raise _shape_error(source, "t2d", t2d.shape, (v,), "vocab_size")
+        want = np.zeros((v,), bool)
+        want[vocab] = True
+        if not np.array_equal(t2d.astype(bool), want):
+            raise ValueError(f"{source}: t2d disagrees with d2t (t2d marks {int(t2d.sum())} "
+                             f"target ids, d2t maps {vd})")
+    full = vd == v and np.array_equal(vocab, np.arange(v))
+    cfg = HeadConfig(kind="eagle3", layer=layer, norms=True, fc_bias=False,
+                     draft_vocab_size=0 if full else vd, aux_layers=aux_layers,
+                     target_hidden_size=et if et != layer.hidden_size else 0)
+    params = _build_params(tensors, _eagle3_table(cfg), source, dtype,
+                           skip=lambda n: n == "midlayer." + _ROTARY)
+    if not full:
+        params["draft_vocab"] = jnp.asarray(vocab, jnp.int32)
+    if emb is not None:
+        emb = np.asarray(emb)
+        if emb.shape != (v, layer.hidden_size):
+            raise _shape_error(source, "embed_tokens.weight", emb.shape, (v, layer.hidden_size))
+        shared = (target_params is not None and layer.hidden_size == target_cfg.hidden_size
+                  and np.array_equal(np.asarray(target_params["embed"], np.float32),
+                                     np.asarray(emb, np.float32)))
+        if not shared:
+            params["embed"] = jnp.asarray(np.asarray(emb, np.float32), dtype)
+    elif layer.hidden_size != target_cfg.hidden_size:
+        raise ValueError(f"{source}: head hidden_size {layer.hidden_size} != the target's "
+                         f"{target_cfg.hidden_size} and no embed_tokens.weight [V, E] of its own")
+    return Head(params, cfg)
+
+
+def save_eagle3(head: Head, path: str, *, target_params=None) -> None:
+    """Writes an EAGLE-3 head in the reference layout (``config.json`` + ``model.safetensors``)
+    that SafeAILab/EAGLE, SpecForge, vLLM and SGLang load.
+
+    ``eagle_config.eagle_aux_hidden_state_layer_ids`` is written in SpecForge/SGLang's convention
+    (id = aux layer - 1; see load_eagle3). ``target_params``: also write ``embed_tokens.weight``
+    (the target's embedding; engines that load it from the target do not need it). A head
+    without its own embedding is otherwise saved without one. Weights are written as float32.
+    """
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    cfg = head.config
+    if cfg.kind != "eagle3":
+        raise ValueError(f"save_eagle3 needs an EAGLE-3 head, got kind {cfg.kind!r}")
+    if min(cfg.aux_layers) < 1:
+        raise ValueError(f"the reference layout names fused layers by the layer whose output they "
+                         f"are: aux layer 0 (the embeddings) cannot be written ({cfg.aux_layers})")
+    _check_params(head.params, cfg, "save_eagle3")
+    tensors = {}
+    for name, (path_, transpose, _) in _eagle3_table(cfg).items():
+        a = head.params["layer"][path_[1]] if path_[0] == "layer" else head.params[path_[0]]
+        a = np.asarray(a, np.float32)
+        tensors[name] = np.ascontiguousarray(a.T if transpose else a)
+    lc = cfg.layer
+    v = lc.vocab_size
+    vocab = (np.asarray(head.params["draft_vocab"], np.int64) if cfg.draft_vocab_size
+             else np.arange(v, dtype=np.int64))
+    order = np.argsort(vocab, kind="stable")  # the reference keeps draft ids in target-id order
+    if not np.array_equal(order, np.arange(len(vocab))):
+        vocab = vocab[order]
+        tensors["lm_head.weight"] = np.ascontiguousarray(tensors["lm_head.weight"][order])
+    tensors["d2t"] = vocab - np.arange(len(vocab), dtype=np.int64)
+    t2d = np.zeros((v,), bool)
+    t2d[vocab] = True
+    tensors["t2d"] = t2d
+    emb = head.params.get("embed")
+    if emb is None and target_params is not None:
+        emb = target_params["embed"]
+    if emb is not None:
+        tensors["embed_tokens.weight"] = np.ascontiguousarray(np.asarray(emb, np.float32))
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    hf_cfg = {
+        "architectures": [_EAGLE3_ARCH], "model_type": "llama", "num_hidden_layers": 1,
+        "hidden_size": lc.hidden_size, "num_attention_heads": lc.num_heads,
+        "num_key_value_heads": lc.num_kv_heads, "head_dim": lc.head_dim,
+        "intermediate_size": lc.intermediate_size, "rms_norm_eps": lc.rms_norm_eps,
+        "rope_theta": lc.rope_theta, "rope_scaling": None, "hidden_act": "silu",
+        "max_position_embeddings": lc.max_position_embeddings, "vocab_size": v,
+        "draft_vocab_size": len(vocab), "target_hidden_size": cfg.feature_size,
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+        "torch_dtype": "float32",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layers]},
+    }
+    if lc.rope_scaling is not None:
+        rs = lc.rope_scaling
+        hf_cfg["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor,
+                                  "low_freq_factor": rs.low_freq_factor,
+                                  "high_freq_factor": rs.high_freq_factor,
+                                  "original_max_position_embeddings":
+                                      rs.original_max_position_embeddings}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_cfg, f, indent=2)
 
 
 # ---------------------------------------------------------------------------------- DeepSeek MTP

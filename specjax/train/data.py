@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import kv_cache
-from specjax.model import Model, forward
+from specjax import kv_cache, speculate
+from specjax.model import Model
 from specjax.train.corpora import chat_prompts, wiki_entries
 
 
@@ -85,11 +85,12 @@ def _read_jsonl(path):
 
 
 def collect_hidden(target: Model, corpus_dir: str, out_dir: str, *, seq_len: int = 256,
-                   batch_size: int = 8) -> list[str]:
+                   batch_size: int = 8, aux_layers: tuple = ()) -> list[str]:
     """Runs the target's inference forward over the corpus; writes hidden-state .npz shards.
 
     Each shard: tokens [N, T] int32 (right-padded), lengths [N], prompt_lens [N],
-    hidden [N, T, E] float16 (pre-norm final hidden states). Resumable per shard.
+    hidden [N, T, E] float16 (pre-norm final hidden states; with ``aux_layers`` (EAGLE-3)
+    [N, T, E + A*E]: the states entering those layers appended, same pass). Resumable per shard.
     """
     os.makedirs(out_dir, exist_ok=True)
     cfg = target.config
@@ -97,10 +98,15 @@ def collect_hidden(target: Model, corpus_dir: str, out_dir: str, *, seq_len: int
     @jax.jit
     def run(params, tokens, lens):
         b = tokens.shape[0]
-        kv, page_table = kv_cache.init_contiguous(cfg, b, seq_len, dtype=params["embed"].dtype)
+        kv = speculate.init_cache(cfg, b * kv_cache.pages_needed(seq_len, 16), 16,
+                                  params["embed"].dtype)
+        page_table = kv_cache.contiguous_page_table(b, kv_cache.pages_needed(seq_len, 16))
         pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (b, seq_len))
-        _, hidden, _ = forward(params, cfg, tokens, pos, kv, page_table,
-                               jnp.zeros((b,), jnp.int32), lens, return_logits=False)
+        _, hidden, _, aux = speculate.target_forward(
+            params, cfg, tokens, pos, kv, page_table, jnp.zeros((b,), jnp.int32), lens,
+            return_logits=False, aux_layers=tuple(aux_layers))
+        if aux is not None:
+            hidden = jnp.concatenate([hidden, aux], axis=-1)
         return hidden.astype(jnp.float16)
 
     outs = []
@@ -116,7 +122,7 @@ def collect_hidden(target: Model, corpus_dir: str, out_dir: str, *, seq_len: int
         plens = np.array([min(r["prompt_len"], seq_len) for r in rows], np.int32)
         for i, r in enumerate(rows):
             tokens[i, :lens[i]] = r["ids"][:seq_len]
-        hidden = np.zeros((n, seq_len, cfg.hidden_size), np.float16)
+        hidden = np.zeros((n, seq_len, cfg.hidden_size * (1 + len(aux_layers))), np.float16)
         t0 = time.perf_counter()
         for b0 in range(0, n, batch_size):
             tb, lb = tokens[b0:b0 + batch_size], lens[b0:b0 + batch_size]

@@ -21,32 +21,41 @@ from specjax.train import data as data_lib
 from specjax.train import trainer
 
 
+def _hidden_dir(work: str, split: str, aux_layers: tuple = ()) -> str:
+    """hidden-<split> (final hidden states), hidden-<split>-aux2_4_5 (+ EAGLE-3 features)."""
+    suffix = "-aux" + "_".join(map(str, aux_layers)) if aux_layers else ""
+    return os.path.join(work, f"hidden-{split}{suffix}")
+
+
 def prepare(target, tok, work: str, num_prompts: int, num_wiki: int, held_out_prompts: int,
-            max_new_tokens: int, seq_len: int):
-    """Builds train + held-out corpora and their hidden states under ``work``."""
+            max_new_tokens: int, seq_len: int, aux_layers: tuple = ()):
+    """Builds train + held-out corpora and their hidden states under ``work`` (with the states
+    entering ``aux_layers`` too, for EAGLE-3 heads)."""
     for split, n_prompts, n_wiki in (("train", num_prompts, num_wiki),
                                      ("held_out", held_out_prompts, held_out_prompts)):
         cdir = os.path.join(work, f"corpus-{split}")
         data_lib.build_corpus(target, tok, cdir, num_prompts=n_prompts, num_wiki=n_wiki,
                               max_new_tokens=max_new_tokens, split=split)
-        data_lib.collect_hidden(target, cdir, os.path.join(work, f"hidden-{split}"), seq_len=seq_len)
+        data_lib.collect_hidden(target, cdir, _hidden_dir(work, split, aux_layers),
+                                seq_len=seq_len, aux_layers=aux_layers)
 
 
-def load_split(work: str, split: str, pattern: str = "*.npz"):
-    paths = sorted(glob.glob(os.path.join(work, f"hidden-{split}", pattern)))
+def load_split(work: str, split: str, pattern: str = "*.npz", aux_layers: tuple = ()):
+    paths = sorted(glob.glob(os.path.join(_hidden_dir(work, split, aux_layers), pattern)))
     if not paths:
         raise FileNotFoundError(f"no hidden-state shards in {work}/hidden-{split}: run the data stage")
     return data_lib.load_hidden(paths)
 
 
-def held_out_eval(loss_fn, trainable, frozen, work: str, tc: trainer.TrainConfig):
+def held_out_eval(loss_fn, trainable, frozen, work: str, tc: trainer.TrainConfig,
+                  aux_layers: tuple = ()):
     """Teacher-forced held-out metrics (answer tokens only with ``tc.answer_only``): over all
     held-out sequences, and separately over the self-distilled chat answers (what acceptance is
     measured on) and the wiki extracts."""
     out = {}
     for name, pattern in (("all", "*.npz"), ("chat", "corpus-0*.npz"), ("wiki", "corpus-wiki.npz")):
         try:
-            data = load_split(work, "held_out", pattern)
+            data = load_split(work, "held_out", pattern, aux_layers)
         except FileNotFoundError:
             continue
         out[name] = trainer.evaluate(loss_fn, trainable, frozen, data, tc.batch_size, tc.seq_len)
@@ -88,26 +97,49 @@ def acceptance_eval(target, tok, draft, method: str, ks=(1, 3), num_prompts: int
     return res
 
 
+def init_trainable_head(target, hcfg, seed: int = 0, vocab=None) -> dict:
+    """A head's starting params (without ``draft_vocab``): the block from the target's last layer
+    (a strong start for a next-token predictor). EAGLE-3: the feature half of the midlayer's
+    [2E, .] q/k/v from that layer too (the embedding half random), and its own lm_head starts as
+    the target's output projection on the draft vocabulary ``vocab`` ([Vd] ids, None = all)."""
+    from specjax.heads import init_head, output_matrix  # noqa: PLC0415
+
+    params = init_head(hcfg, jax.random.key(seed), dtype=target.dtype)
+    params.pop("draft_vocab", None)
+    last = target.params["layers"][-1]
+    e = hcfg.layer.hidden_size
+    layer = {}
+    for k, v in params["layer"].items():
+        if k in last and last[k].shape == v.shape:
+            layer[k] = last[k]
+        elif k in ("wq", "wk", "wv") and k in last and v.shape[0] == 2 * last[k].shape[0]:
+            layer[k] = v.at[e:].set(last[k])  # rows: [embedding half; feature half]
+        else:
+            layer[k] = v
+    params["layer"] = layer
+    if hcfg.kind == "eagle3":
+        params["lm_head"] = output_matrix(target.params, target.config, vocab).astype(target.dtype)
+    return params
+
+
 def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: trainer.TrainConfig,
                eval_prompts: int = 8, draft_vocab: int = 0, run_name: str | None = None):
     """Trains a head; ``draft_vocab`` > 0 restricts it to that many of the most frequent answer
-    tokens of the training data (plus EOS)."""
-    from specjax.heads import Head, HeadConfig, init_head  # noqa: PLC0415
-    from specjax.io.heads_io import save_head  # noqa: PLC0415
+    tokens of the training data (plus EOS). An EAGLE-3 head (``kind="eagle3"``, hidden states
+    from ``prepare(..., aux_layers=default_aux_layers(L))``) is saved in the reference layout
+    (``save_eagle3``: vLLM / SGLang load it); the others in specjax's format."""
+    from specjax.heads import Head, HeadConfig  # noqa: PLC0415
+    from specjax.io.heads_io import save_eagle3, save_head  # noqa: PLC0415
 
     hcfg = HeadConfig.for_target(target.config, kind, norms=norms)
-    train = load_split(work, "train")
+    train = load_split(work, "train", aux_layers=hcfg.aux_layers)
     vocab = None
     if draft_vocab:
         eos = tok.eos_token_id if isinstance(tok.eos_token_id, int) else None
         vocab = jnp.asarray(data_lib.draft_vocab(train, draft_vocab, target.config.vocab_size,
                                                  always=() if eos is None else (eos,)))
         hcfg = dataclasses.replace(hcfg, draft_vocab_size=int(vocab.shape[0]))
-    # init the block from the target's last layer (a strong start for a next-token predictor)
-    params = init_head(hcfg, jax.random.key(tc.seed), dtype=target.dtype)
-    params.pop("draft_vocab", None)  # not trained: a closure constant below
-    last = target.params["layers"][-1]
-    params["layer"] = {k: (last[k] if k in last else v) for k, v in params["layer"].items()}
+    params = init_trainable_head(target, hcfg, tc.seed, vocab)
     name = f"{kind}-{'norms' if norms else 'nonorms'}" + (f"-v{draft_vocab}" if vocab is not None else "")
 
     def with_vocab(p):
@@ -126,7 +158,7 @@ def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: tra
     params = trainer.fit(loss_fn, params, target.params, train, tc, run_dir, describe=name,
                          signature={"head": hcfg.to_dict(), "sequences": len(train["tokens"])})
     train_time = time.perf_counter() - t0
-    metrics = held_out_eval(eval_fn, params, target.params, work, tc)
+    metrics = held_out_eval(eval_fn, params, target.params, work, tc, hcfg.aux_layers)
     head = Head(params=with_vocab(params), config=hcfg)
     accept = acceptance_eval(target, tok, head, kind, num_prompts=eval_prompts)
     report = {"name": name, "kind": kind, "norms": norms, "draft_vocab": draft_vocab,
@@ -135,7 +167,7 @@ def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: tra
               "train_answer_tokens": int((train["lengths"] - train["prompt_lens"]).sum()),
               "train_time_s": train_time,
               "held_out": metrics, "acceptance": accept}
-    save_head(head, out)
+    (save_eagle3 if kind == "eagle3" else save_head)(head, out)
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=2, default=float)
     print(json.dumps(report, indent=2, default=float), flush=True)

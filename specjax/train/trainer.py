@@ -4,6 +4,9 @@ Heads: head position j gets (x_{j+1}, f_j) and is trained so that its output h'_
 target's next hidden state h_{j+1} (SmoothL1, in the space the head feeds back on: RMS-normalised
 for MTP heads, post-norm features for EAGLE-1) and its logits (through the shared, frozen lm_head)
 match the target's next-token distribution softmax(lm_head(h_{j+1})) (soft cross-entropy).
+EAGLE-3 heads drop the feature regression (their fused features live in no target space) and
+learn from the soft cross-entropy alone, through EAGLE-3's training-time test: ``rollout`` passes
+fed the head's own outputs, pass r weighted ``rollout_decay ** r``.
 Draft LLMs: KL to the target's next-token distribution at every position, with the target's
 embedding, final norm and lm_head shared and frozen.
 
@@ -47,6 +50,7 @@ class TrainConfig:
     cls_weight: float = 0.1  # soft CE on next-token distribution (heads)
     grad_clip: float = 0.5
     rollout: int = 1  # heads: passes fed their own previous output (1 = teacher-forced only)
+    rollout_decay: float = 1.0  # loss weight of rollout pass r is rollout_decay ** r (EAGLE-3: 0.8)
     answer_only: bool = True  # loss/metrics only where the predicted token is past the prompt
     seed: int = 0
     save_every: int = 50
@@ -84,12 +88,14 @@ def _loss_mask(t, offset, lengths, prompt_lens, tc: TrainConfig):
 def head_loss(head_params, head_cfg: heads.HeadConfig, tp, tcfg, tokens, lengths, hidden,
               tc: TrainConfig, prompt_lens=None, *, exact_top1: bool = False):
     """Head loss on one batch. tp/tcfg: the target's params and config; tokens [B, T],
-    lengths [B], hidden [B, T, E], prompt_lens [B] (optional; see ``_loss_mask``).
+    lengths [B], hidden [B, T, E] (EAGLE-3: [B, T, E + A*E], the final hidden states followed by
+    the states entering ``head_cfg.aux_layers``, see data.collect_hidden), prompt_lens [B]
+    (optional; see ``_loss_mask``).
 
     Pass 1 is teacher-forced: head position j sees (x_{j+1}, f_j). With ``tc.rollout`` = R > 1,
     pass r feeds position j the head's own pass-(r-1) output at j-1 in place of f_j, the input it
     gets when drafting its r-th token (the feature it was trained to predict); gradients flow
-    through the fed-back features. The loss averages the R passes; metrics report pass 1 (and
+    through the fed-back features. The loss is the passes' mean weighted ``tc.rollout_decay ** r``; metrics report pass 1 (and
     ``top1_r{R}`` for the last pass). Unlike inference, the earlier positions of pass r also use
     fed-back features (their cached K/V would come from the target's features).
 
@@ -101,7 +107,10 @@ def head_loss(head_params, head_cfg: heads.HeadConfig, tp, tcfg, tokens, lengths
     """
     b, t = tokens.shape
     hidden = hidden.astype(jnp.float32)
-    feats = heads.head_features(tp, tcfg, hidden[:, :-1], head_cfg)  # f_j, j = 0..T-2
+    eagle3 = head_cfg.kind == "eagle3"
+    aux = hidden[:, :-1, tcfg.hidden_size:] if eagle3 else None
+    hidden = hidden[..., :tcfg.hidden_size]
+    feats = heads.head_features(head_params, head_cfg, tp, tcfg, hidden[:, :-1], aux)  # f_j
     h_next = hidden[:, 1:]  # h_{j+1}
     vocab = head_params.get("draft_vocab")
     if vocab is None:
@@ -118,25 +127,27 @@ def head_loss(head_params, head_cfg: heads.HeadConfig, tp, tcfg, tokens, lengths
     if head_cfg.norms:
         reg_target = rms_norm(h_next, jnp.ones(h_next.shape[-1]), 1e-6)
     else:
-        reg_target = heads.head_features(tp, tcfg, h_next, head_cfg)
+        reg_target = heads.head_features(head_params, head_cfg, tp, tcfg, h_next)
     total, metrics = 0.0, {}
-    for r in range(max(tc.rollout, 1)):
-        hh, _ = heads.head_forward(head_params, head_cfg, tp, tcfg, tokens[:, 1:], feats, pos, kv,
+    weights = [tc.rollout_decay ** r for r in range(max(tc.rollout, 1))]
+    for r, weight in enumerate(weights):
+        hh, _ = heads.head_forward(head_params, head_cfg, tp, tokens[:, 1:], feats, pos, kv,
                                    pt, jnp.zeros((b,), jnp.int32), jnp.maximum(lengths - 1, 1))
         logits = heads.head_logits(head_params, head_cfg, tp, tcfg, hh, compact=True)
         got = jnp.argmax(logits, -1) if vocab is None else jnp.take(vocab, jnp.argmax(logits, -1))
         out = rms_norm(hh, jnp.ones(hh.shape[-1]), 1e-6) if head_cfg.norms else hh
-        reg = (_smooth_l1(out, reg_target) * mask).sum() / denom
+        reg = 0.0 if eagle3 else (_smooth_l1(out, reg_target) * mask).sum() / denom
         cls = (_soft_ce(teacher, logits) * mask).sum() / denom
         top1 = ((got == want) * mask).sum() / denom
-        total = total + tc.reg_weight * reg + tc.cls_weight * cls
+        # EAGLE-3: the cross-entropy is the whole objective (cls_weight scales only a mix)
+        total = total + weight * (cls if eagle3 else tc.reg_weight * reg + tc.cls_weight * cls)
         if r == 0:
             metrics = {"reg": reg, "cls": cls, "top1": top1}
         elif r == tc.rollout - 1:
             metrics[f"top1_r{r + 1}"] = top1
         # next pass: position j is fed the head's output at j - 1 (position 0 keeps f_0)
         feats = jnp.concatenate([feats[:, :1], hh[:, :-1].astype(feats.dtype)], axis=1)
-    return total / max(tc.rollout, 1), metrics
+    return total / sum(weights), metrics
 
 
 def draft_loss(trainable, tp, tcfg, cfg, tokens, lengths, hidden, tc: TrainConfig,
