@@ -1,0 +1,124 @@
+"""Self-distilled answers at scale: the target answers broad-domain prompts, in resumable shards.
+
+``generate_corpus`` takes the prompts of ``specjax.train.prompts.broad_prompts`` in their fixed
+order, cuts them into shards of ``shard_size``, and for each missing shard runs the target's
+fused decoding loop (``sj.generate``) at a high batch size: prompts sorted by length inside the
+shard (less padding), half of each batch greedy and half sampled at ``temperature``, so a head
+sees both the target's argmax continuations and its spread. A shard is written atomically as
+``answers-XXXXX.jsonl`` (one row per prompt: ids, prompt_len, domain, source, temperature),
+so the job can be stopped at any time and restarted with the same command; it runs for days
+if need be, a few shards per session. Progress (answers, new tokens, tokens/s) goes to stderr.
+
+Run it in the background, at low priority so it only takes idle CPU::
+
+    nice -n 19 python -m specjax.train.distill --out data/broad --split train --shards 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import logging
+import os
+import time
+
+from specjax.train.prompts import broad_prompts
+
+log = logging.getLogger("specjax.distill")
+
+
+def shard_path(out_dir: str, i: int) -> str:
+    return os.path.join(out_dir, f"answers-{i:05d}.jsonl")
+
+
+def read_shards(out_dir: str) -> list[dict]:
+    """Every finished row of a corpus directory, in shard order."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(out_dir, "answers-*.jsonl"))):
+        with open(path) as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    return rows
+
+
+def generate_corpus(target, tok, out_dir: str, *, split: str = "train", num_shards: int | None = None,
+                    first_shard: int = 0, shard_size: int = 256, batch_size: int = 64,
+                    max_new_tokens: int = 192, temperature: float = 0.7, max_prompt_tokens: int = 448,
+                    seed: int = 0) -> list[str]:
+    """Writes missing answer shards ``first_shard .. first_shard + num_shards - 1``.
+
+    Args:
+      target, tok: the target Model and its tokenizer (chat template, EOS).
+      split: prompt split ("train" or "held_out").
+      num_shards: how many shards (None: all the split's prompts).
+      shard_size, batch_size: prompts per shard / per ``sj.generate`` call.
+      max_new_tokens: answer length cap; temperature: the sampled half's temperature.
+      max_prompt_tokens: longer prompts are skipped (recorded as skipped in the log).
+    Returns:
+      the shard paths (finished ones included).
+    """
+    import specjax as sj  # noqa: PLC0415
+
+    if shard_size < 1 or batch_size < 1 or max_new_tokens < 1:
+        raise ValueError("shard_size, batch_size and max_new_tokens must be >= 1")
+    os.makedirs(out_dir, exist_ok=True)
+    prompts = broad_prompts(split)
+    total_shards = -(-len(prompts) // shard_size)
+    last = total_shards if num_shards is None else min(total_shards, first_shard + num_shards)
+    eos = tok.eos_token_id
+    paths = []
+    for s in range(first_shard, last):
+        path = shard_path(out_dir, s)
+        paths.append(path)
+        if os.path.exists(path):
+            continue
+        chunk = prompts[s * shard_size:(s + 1) * shard_size]
+        encoded = [(p, tok.apply_chat_template(p["messages"])) for p in chunk]
+        kept = [(p, ids) for p, ids in encoded if len(ids) <= max_prompt_tokens]
+        kept.sort(key=lambda r: len(r[1]))
+        rows, t0, new_tokens = [], time.perf_counter(), 0
+        for b0 in range(0, len(kept), batch_size):
+            batch = kept[b0:b0 + batch_size]
+            temps = [0.0 if (b0 + i) % 2 == 0 else temperature for i in range(len(batch))]
+            out = sj.generate(target, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
+                              temperature=temps, seed=seed + s * shard_size + b0, eos_token_id=eos)
+            for (p, ids), ans, t in zip(batch, out.tokens, temps):
+                rows.append({"ids": ids + ans, "prompt_len": len(ids), "domain": p["domain"],
+                             "source": p["source"], "temperature": t})
+                new_tokens += len(ans)
+        with open(path + ".tmp", "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        os.replace(path + ".tmp", path)
+        dt = time.perf_counter() - t0
+        log.warning("%s: %d answers (%d prompts too long), %d new tokens in %.0fs (%.0f tokens/s, "
+                    "load %.1f)", path, len(rows), len(chunk) - len(kept), new_tokens, dt,
+                    new_tokens / dt, os.getloadavg()[0])
+    return paths
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="corpus directory (answers-XXXXX.jsonl shards)")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--split", default="train", choices=("train", "held_out"))
+    ap.add_argument("--shards", type=int, default=None, help="how many shards (default: all)")
+    ap.add_argument("--first-shard", type=int, default=0)
+    ap.add_argument("--shard-size", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    args = ap.parse_args(argv)
+    logging.basicConfig(format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    import specjax as sj  # noqa: PLC0415
+
+    target = sj.load_model(args.model)
+    tok = sj.load_tokenizer(args.model)
+    generate_corpus(target, tok, args.out, split=args.split, num_shards=args.shards,
+                    first_shard=args.first_shard, shard_size=args.shard_size,
+                    batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature)
+
+
+if __name__ == "__main__":
+    main()
