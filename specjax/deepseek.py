@@ -2,7 +2,9 @@
 
 Same contract as ``specjax.model.forward`` (tokens, positions, a paged cache, page table,
 cache_start, num_new, new_mask) so the fused speculative step, chain and tree verification and
-the MTP head run unchanged; ``speculate`` picks the family from the static config type.
+the MTP head run unchanged; ``specjax.registry`` picks the family from the static config type.
+``softmax_topk_moe`` is Qwen3-MoE's sparse MLP (Llama attention, ``model.decoder_layer``) over the
+same expert computation (``routed_experts``).
 
 Multi-head latent attention (MLA). Per token the cache holds only the *latent*
 ``[c_kv (R) | k_rope (Dr)]`` (R = kv_lora_rank, Dr = qk_rope_head_dim), one "KV head" of width
@@ -125,14 +127,10 @@ class DeepseekConfig:
         if self.moe_micro_batches not in (1, 2):
             raise ValueError(f"moe_micro_batches must be 1 or 2, got {self.moe_micro_batches}")
 
-    # The Llama config's names that shared code reads (api, heads, paged-cache sizing).
+    # The Llama config's name that shared code reads (sharding's cache-pool specs).
     @property
     def num_kv_heads(self) -> int:
         return 1  # the latent is one shared "head"
-
-    @property
-    def head_dim(self) -> int:
-        return self.latent_dim
 
     @property
     def latent_dim(self) -> int:
@@ -372,16 +370,23 @@ def _mlp(x, w_gate, w_up, w_down):
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
-def _moe_tokens(lp, cfg: DeepseekConfig, x):
-    """x: [N, E] -> [N, E]: routed experts (dense over X, sparse weights) + shared experts."""
-    w, idx = route(lp, cfg, x)
-    combine = jnp.sum(jax.nn.one_hot(idx, cfg.n_routed_experts, dtype=jnp.float32) * w[..., None],
+def routed_experts(lp, x, w, idx):
+    """The routed experts' weighted sum, dense reference: every expert runs on every token and
+    the combine weights are sparse. x: [N, E]; w: [N, k] float32; idx: [N, k] int32 expert ids;
+    lp["we_gate"], lp["we_up"]: [X, E, Fm], lp["we_down"]: [X, Fm, E] -> [N, E]."""
+    num_experts = lp["we_gate"].shape[0]
+    combine = jnp.sum(jax.nn.one_hot(idx, num_experts, dtype=jnp.float32) * w[..., None],
                       axis=1)  # [N, X]
     gate = jnp.einsum("ne,xef->nxf", x, lp["we_gate"])
     up = jnp.einsum("ne,xef->nxf", x, lp["we_up"])
-    routed = jnp.einsum("nxf,xfe,nx->ne", jax.nn.silu(gate) * up, lp["we_down"],
-                        combine.astype(x.dtype))
-    out = routed
+    return jnp.einsum("nxf,xfe,nx->ne", jax.nn.silu(gate) * up, lp["we_down"],
+                      combine.astype(x.dtype))
+
+
+def _moe_tokens(lp, cfg: DeepseekConfig, x):
+    """x: [N, E] -> [N, E]: routed experts (dense over X, sparse weights) + shared experts."""
+    w, idx = route(lp, cfg, x)
+    out = routed_experts(lp, x, w, idx)
     if "ws_gate" in lp:
         out = out + _mlp(x, lp["ws_gate"], lp["ws_up"], lp["ws_down"])
     return out
@@ -400,6 +405,19 @@ def moe(lp, cfg: DeepseekConfig, x):
     else:
         out = _moe_tokens(lp, cfg, flat)
     return out.reshape(b, t, e)
+
+
+def softmax_topk_moe(lp, cfg, x):
+    """Qwen3-MoE's sparse MLP (``model.decoder_layer``'s ``moe``; cfg a ``Qwen3MoeConfig``).
+    x: [B, T, E] -> [B, T, E]. Softmax over all X router logits (float32), top-k, weights
+    renormalised to sum to 1 when ``norm_topk_prob``; no shared experts."""
+    b, t, e = x.shape
+    flat = x.reshape(b * t, e)
+    probs = jax.nn.softmax(flat.astype(jnp.float32) @ lp["router"].astype(jnp.float32), axis=-1)
+    w, idx = jax.lax.top_k(probs, cfg.num_experts_per_tok)  # [N, k]
+    if cfg.norm_topk_prob:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return routed_experts(lp, flat, w, idx.astype(jnp.int32)).reshape(b, t, e)
 
 
 # --------------------------------------------------------------------------------- the model

@@ -26,9 +26,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax import deepseek, kv_cache
+from typing import Any
+
+from specjax import kv_cache, registry
 from specjax.config import ModelConfig
-from specjax.model import decoder_layer, embed, init_params, rms_norm
+from specjax.model import embed, init_params, rms_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +38,9 @@ class HeadConfig:
     """A draft head attached to a target (static)."""
 
     kind: str  # "mtp" | "eagle"
-    layer: ModelConfig  # the head's decoder block (num_layers = 1), dims of the target
+    # the head's decoder block (num_layers = 1), dims of the target: a config of the block's
+    # family (ModelConfig; DeepseekConfig for DeepSeek-V3's MTP layer), see specjax.registry
+    layer: Any
     norms: bool = True  # enorm/hnorm/block input norm/final norm (MTP) vs none (EAGLE-1)
     fc_bias: bool = False  # EAGLE-1's fc has a bias
     # > 0: the head scores only this many tokens (params["draft_vocab"], EAGLE-3's reduced draft
@@ -158,15 +162,11 @@ def head_forward(head_params, cfg: HeadConfig, target_params, target_cfg: ModelC
         num_new = jnp.full((b,), t, jnp.int32)
     valid = jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]
     lp = head_params["layer"]
-    if isinstance(lcfg, deepseek.DeepseekConfig):  # DeepSeek-V3 MTP: an MLA + MoE/dense block
-        h, pool = deepseek.decoder_layer(lp, lcfg, x, positions, kv.k[0], page_table, cache_start,
-                                         valid, new_mask, attn_impl)
-        return h, kv_cache.KVCache(k=(pool,), v=kv.v)
     if "attn_norm" not in lp:  # EAGLE-1 drops the block's input norm
         lp = dict(lp, attn_norm=None)
-    h, k0, v0 = decoder_layer(lp, lcfg, x, positions, kv.k[0], kv.v[0], page_table, cache_start,
-                              valid, new_mask, attn_impl)
-    return h, kv_cache.KVCache(k=(k0,), v=(v0,))
+    # the block's family (Llama, or DeepSeek-V3 MTP's MLA + MoE/dense) runs it
+    return registry.block(lp, lcfg, x, positions, kv, page_table, cache_start, valid, new_mask,
+                          attn_impl)
 
 
 def _columns(w, vocab):

@@ -41,22 +41,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax import acceptance, deepseek, heads, kv_cache, sampling, tree
-from specjax.model import forward as _llama_forward
+from specjax import acceptance, heads, kv_cache, registry, sampling, tree
 from specjax.model import lm_head
 
-
-def forward(params, cfg, *args, **kw):
-    """The target family's forward, chosen by the static config type (Llama or DeepSeek MLA+MoE;
-    same contract, see specjax.model.forward)."""
-    fn = deepseek.forward if isinstance(cfg, deepseek.DeepseekConfig) else _llama_forward
-    return fn(params, cfg, *args, **kw)
-
-
-def init_cache(cfg, num_pages, page_size, dtype):
-    """The family's paged cache: Llama K/V pools or DeepSeek latent pools."""
-    init = deepseek.init_cache if isinstance(cfg, deepseek.DeepseekConfig) else kv_cache.init_cache
-    return init(cfg, num_pages, page_size, dtype)
+# The model family's forward and paged cache, chosen by the static config type (specjax.registry).
+forward = registry.forward
+init_cache = registry.init_cache
 
 
 @dataclasses.dataclass(frozen=True)
