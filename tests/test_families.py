@@ -143,7 +143,9 @@ def test_sharded_bf16_checkpoint(tmp_path):
     np.testing.assert_array_equal(
         np.asarray(model.params["layers"][1]["wq"], np.float32),
         hf.model.layers[1].self_attn.q_proj.weight.detach().float().numpy().T)
-    hf32 = hf.float()
+    from transformers import Qwen3ForCausalLM  # fp32 from the bf16 files (fp32 RoPE tables)
+
+    hf32 = Qwen3ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     ids = list(range(3, 40))
     with torch.no_grad():
         ref = hf32(torch.tensor([ids])).logits[0].numpy()
