@@ -49,6 +49,8 @@ class Family:
     shard: Callable | None = None  # (Model, mesh) -> Model placed on the mesh; None: unsupported
     read_mtp: Callable | None = None  # (dir, target Model) -> Head from the dir's own MTP layer
     # what does not work yet for this family: component -> reason (see ``require``)
+    # Components: "sharding" (registry.shard / load_model(mesh=...)), "tp_sharding"
+    # (specjax.sharding's dp/tp fused loop), "engine" (specjax.engine).
     unsupported: tuple[tuple[str, str], ...] = ()
 
     def from_hf_config(self, hf) -> Any:
@@ -130,14 +132,16 @@ FAMILIES: tuple[Family, ...] = (
            forward=_qwen3_moe_forward, init_cache=kv_cache.init_cache,
            init_params=model.init_params, block=_qwen3_moe_block,
            load_hf=lambda path, dtype: _load_llama(path, dtype, Qwen3MoeConfig),
-           unsupported=(("sharding", "no expert-parallel sharding rules yet (specjax.moe)"),)),
+           unsupported=(("sharding", "no expert-parallel sharding rules yet (specjax.moe)"),
+                        ("tp_sharding", "no expert-parallel sharding rules yet (specjax.moe)"))),
     Family(name="deepseek", model_types=("deepseek_v2", "deepseek_v3"),
            config_class=DeepseekConfig, forward=deepseek.forward, init_cache=deepseek.init_cache,
            init_params=deepseek.init_params, block=_deepseek_block, load_hf=_load_deepseek,
            shard=_shard_deepseek, read_mtp=_read_deepseek_mtp,
-           unsupported=(("sharding.generate_device",
-                         "the fused sharded loop lays out Llama K/V pools; place DeepSeek with "
-                         "deepseek.make_mesh / load_model(mesh=...)"),)),
+           unsupported=(("tp_sharding",
+                         "specjax.sharding's dp/tp loop lays out Llama K/V pools and weights; "
+                         "place DeepSeek on a deepseek.make_mesh (tp, ep) mesh with "
+                         "load_model(mesh=...) / registry.shard"),)),
 )
 _BY_CLASS = {f.config_class: f for f in FAMILIES}
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}

@@ -64,8 +64,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from specjax import kv_cache, model, speculate
+from specjax import kv_cache, model, registry, speculate
 from specjax.config import ModelConfig
+from specjax.heads import HeadConfig
 
 AXES = ("dp", "tp")
 PLACEMENTS = ("replicated", "sharded", "leader")
@@ -156,7 +157,7 @@ def layer_specs(lp: dict, cfg: ModelConfig, tp: int) -> dict:
     """PartitionSpecs of one decoder layer's params (see the module docstring). wk / wv stay
     replicated when tp does not divide Hkv: repeat_kv_heads first to split them."""
     kv = _axis_if(cfg.num_kv_heads % tp == 0)
-    rules = {"attn_norm": P(), "mlp_norm": P(),
+    rules = {"attn_norm": P(), "mlp_norm": P(), "q_norm": P(), "k_norm": P(),  # [D], per head
              "wq": P(None, "tp"), "bq": P("tp"), "wk": P(None, kv), "bk": P(kv),
              "wv": P(None, kv), "bv": P(kv), "wo": P("tp", None), "bo": P(),
              "w_gate": P(None, "tp"), "b_gate": P("tp"), "w_up": P(None, "tp"), "b_up": P("tp"),
@@ -211,8 +212,7 @@ def repeat_kv_heads(params: dict, cfg: ModelConfig, tp: int):
     the KV heads its query heads read (Hkv' / tp of them) instead of all Hkv.
     Returns (params, cfg); unchanged when tp already divides Hkv.
     """
-    if not isinstance(cfg, ModelConfig):
-        raise TypeError(f"repeat_kv_heads needs a ModelConfig, got {type(cfg).__name__}")
+    registry.require(cfg, "tp_sharding")  # the Llama family's dp/tp layouts (this module)
     hkv, d = cfg.num_kv_heads, cfg.head_dim
     new = kv_heads_for(hkv, tp)
     if new == hkv:
@@ -253,7 +253,7 @@ def _prepare(params, cfg, tp):
 
 
 def _is_head(draft_cfg) -> bool:
-    return draft_cfg is not None and not isinstance(draft_cfg, ModelConfig)
+    return isinstance(draft_cfg, HeadConfig)
 
 
 def draft_specs(draft_params, draft_cfg, plan: ShardingPlan):

@@ -48,6 +48,7 @@ import jax
 import numpy as np
 
 from specjax.api import _check_tokens, check_draft
+from specjax import registry
 from specjax.config import validate_sampling
 from specjax.engine import steps
 from specjax.engine.allocator import PageAllocator
@@ -206,6 +207,7 @@ class Engine:
         cfg = dataclasses.replace(config or EngineConfig(), **overrides)
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax Model, got {type(target).__name__}")
+        registry.require(target.config, "engine")  # an unsupported family fails here, not in a step
         if cfg.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {cfg.method!r}")
         if cfg.method == "none" and draft is not None:
