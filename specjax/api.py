@@ -77,7 +77,7 @@ def load_model(path: str, dtype=jnp.float32, mesh=None) -> Model:
         raise ValueError(
             f"load_model: {path!r} is not a built-in model {BUILTIN_MODELS}, a .gguf file, a "
             "transformers directory with config.json, or a specjax checkpoint")
-    check_params(params, cfg)
+    registry.check_params(params, cfg)
     model = _as_model(cfg, params, dtype, path)
     return model if mesh is None else registry.shard(model, mesh)
 

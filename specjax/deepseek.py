@@ -159,6 +159,15 @@ class DeepseekConfig:
         return dataclasses.asdict(self)
 
     @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DeepseekConfig":
+        d = dict(d)
+        if isinstance(d.get("eos_token_id"), list):
+            d["eos_token_id"] = tuple(d["eos_token_id"])
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = YarnScaling(**d["rope_scaling"])
+        return cls(**d)
+
+    @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any] | Any, **overrides) -> "DeepseekConfig":
         """From a transformers ``DeepseekV3Config`` / ``DeepseekV2Config`` (object or dict)."""
         d = dict(hf) if isinstance(hf, Mapping) else hf.to_dict()

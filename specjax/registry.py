@@ -161,6 +161,14 @@ def family_of(cfg) -> Family:
     return fam
 
 
+def family_named(name: str) -> Family:
+    """The family called ``name`` ("llama", "qwen3_moe", "deepseek")."""
+    for fam in FAMILIES:
+        if fam.name == name:
+            return fam
+    raise ValueError(f"unknown model family {name!r}; known: {[f.name for f in FAMILIES]}")
+
+
 def family_for_model_type(model_type: str | None, architectures=()) -> Family:
     """The family reading HF ``model_type`` (a Llama architecture with no model_type: llama)."""
     if model_type is None and any("Llama" in a for a in architectures or ()):
@@ -191,6 +199,20 @@ def forward(params, cfg, *args, **kw):
 def init_cache(cfg, num_pages: int, page_size: int, dtype=jnp.float32) -> kv_cache.KVCache:
     """The family's paged cache: Llama K/V pools or DeepSeek latent pools."""
     return family_of(cfg).init_cache(cfg, num_pages, page_size, dtype)
+
+
+def check_params(params, cfg) -> None:
+    """Raises ValueError unless ``params`` has exactly the family's tensors at the config's shapes."""
+    if family_of(cfg).config_class is ModelConfig:
+        return model.check_params(params, cfg)  # the Llama checker names the odd tensor
+    want = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    got_paths = {jax.tree_util.keystr(p): tuple(np.shape(a))
+                 for p, a in jax.tree_util.tree_leaves_with_path(params)}
+    want_paths = {jax.tree_util.keystr(p): tuple(a.shape)
+                  for p, a in jax.tree_util.tree_leaves_with_path(want)}
+    if got_paths != want_paths:
+        bad = sorted(set(got_paths.items()) ^ set(want_paths.items()))[:4]
+        raise ValueError(f"params do not match the {family_of(cfg).name} config: {bad}")
 
 
 def init_params(cfg, key, dtype=jnp.float32):

@@ -113,6 +113,11 @@ def test_deepseek_v3_mtp_lossless(v3_dir):
     out = sj.generate(target, PROMPTS, max_new_tokens=NEW, draft=head, method="mtp",
                       num_draft_tokens=2, eos_token_id=[])
     assert out.tokens == plain
+    from specjax.engine import Engine, EngineConfig  # the engine runs the family's forward too
+
+    engine = Engine(target, head, EngineConfig(method="mtp", num_draft_tokens=2, max_slots=2,
+                                               batch_buckets=(2,), max_model_len=32, page_size=4))
+    assert engine.generate(PROMPTS, sj.RequestParams(max_tokens=NEW, stop_token_ids=())) == plain
 
 
 def test_unsupported_model_type_names_supported(tmp_path):
@@ -151,3 +156,25 @@ def test_sharded_bf16_checkpoint(tmp_path):
         ref = hf32(torch.tensor([ids])).logits[0].numpy()
     ours = sj.logits(sj.load_model(str(tmp_path)), ids)  # bf16 weights cast to fp32
     assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-4
+
+
+def test_family_orbax_checkpoint_roundtrip(family, tmp_path):
+    """Our own checkpoint records the family, so every family loads back with its config class."""
+    from specjax.io.checkpoint import save_checkpoint
+
+    _, _, model = family
+    save_checkpoint(str(tmp_path / "ckpt"), model.params, model.config)
+    again = sj.load_model(str(tmp_path / "ckpt"))
+    assert again.config == model.config
+    for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(model.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_engine_accepts_every_family_and_rejects_unknown(family):
+    from specjax.engine import Engine, EngineConfig
+
+    _, _, model = family
+    Engine(model, sj.early_exit_draft(model, 1), EngineConfig(method="draft", max_model_len=64))
+    bogus = sj.Model(params=model.params, config=object())
+    with pytest.raises(TypeError, match="not a registered model config"):
+        Engine(bogus, None, EngineConfig())

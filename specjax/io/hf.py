@@ -199,9 +199,16 @@ def iter_hf_tensors(params):
 
 
 def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict:
-    """The transformers LlamaForCausalLM config.json content for ``cfg``."""
+    """The transformers config.json content for ``cfg`` (LlamaForCausalLM; Qwen3ForCausalLM when
+    the config has per-head q/k norms)."""
+    from specjax import registry  # noqa: PLC0415
+
+    if registry.family_of(cfg).name != "llama":
+        raise ValueError(f"save_hf_dir writes Llama-family directories; got a "
+                         f"{registry.family_of(cfg).name} config")
+    arch, model_type = ("Qwen3ForCausalLM", "qwen3") if cfg.qk_norm else ("LlamaForCausalLM", "llama")
     hf_cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [arch], "model_type": model_type,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
@@ -221,7 +228,7 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict:
 
 
 def save_hf_dir(params, cfg: ModelConfig, path: str) -> None:
-    """Writes params as a transformers LlamaForCausalLM directory (config.json + safetensors)."""
+    """Writes params as a transformers Llama (or Qwen3, with q/k norms) directory."""
     from safetensors.numpy import save_file  # noqa: PLC0415
 
     os.makedirs(path, exist_ok=True)
