@@ -16,6 +16,16 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+def _max_len(d: dict) -> int:
+    """max_position_embeddings, capped at a sliding attention window when one applies (Mistral's
+    ``sliding_window``; Qwen2/3 with ``use_sliding_window``): we attend over the full prefix, which
+    equals windowed attention exactly up to the window's length."""
+    n = int(d.get("max_position_embeddings", 2048))
+    window = d.get("sliding_window")
+    uses = d.get("use_sliding_window", d.get("model_type") == "mistral")
+    return min(n, int(window)) if window and uses else n
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A Llama-family decoder.
@@ -110,7 +120,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_max_len(d),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos,
             qk_norm=d.get("model_type") in ("qwen3", "qwen3_moe"),

@@ -30,7 +30,7 @@ from typing import Any
 
 from specjax import kv_cache, registry
 from specjax.config import ModelConfig
-from specjax.model import embed, init_params, rms_norm
+from specjax.model import embed, rms_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +90,7 @@ def init_head(cfg: HeadConfig, key, dtype=jnp.float32, scale: float = 0.02) -> d
     """Random head params (the block initialised like a model layer, norms at 1)."""
     e = cfg.layer.hidden_size
     k1, k2 = jax.random.split(key)
-    layer = init_params(cfg.layer, k1, dtype, scale)["layers"][0]
+    layer = registry.init_params(cfg.layer, k1, dtype, scale)["layers"][0]
     params = {"eh_proj": (scale * jax.random.normal(k2, (2 * e, e))).astype(dtype), "layer": layer}
     if cfg.norms:
         params.update(enorm=jnp.ones((e,), dtype), hnorm=jnp.ones((e,), dtype),

@@ -215,9 +215,9 @@ def check_params(params, cfg) -> None:
         raise ValueError(f"params do not match the {family_of(cfg).name} config: {bad}")
 
 
-def init_params(cfg, key, dtype=jnp.float32):
-    """Random params of the family's layout (tests, fresh drafts)."""
-    return family_of(cfg).init_params(cfg, key, dtype)
+def init_params(cfg, key, dtype=jnp.float32, scale: float = 0.02):
+    """Random params of the family's layout (tests, fresh drafts and heads)."""
+    return family_of(cfg).init_params(cfg, key, dtype, scale)
 
 
 def block(lp, cfg, x, positions, kv, page_table, cache_start, valid, new_mask, attn_impl):

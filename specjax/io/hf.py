@@ -61,6 +61,7 @@ class SafetensorsDir(collections.abc.Mapping):
 
         self._open = safe_open
         self._handles: dict = {}
+        self._headers: dict = {}
         index = os.path.join(path, INDEX_FILE)
         if os.path.isfile(index):
             with open(index) as f:
@@ -86,7 +87,7 @@ class SafetensorsDir(collections.abc.Mapping):
             import ml_dtypes  # noqa: PLC0415
 
             # numpy cannot decode BF16 itself: read the raw 16-bit words and reinterpret them.
-            return _read_bf16(self._where[name], name).view(ml_dtypes.bfloat16)
+            return _read_bf16(self._where[name], name, self._headers).view(ml_dtypes.bfloat16)
         return h.get_tensor(name)
 
     def __iter__(self):
@@ -96,14 +97,18 @@ class SafetensorsDir(collections.abc.Mapping):
         return len(self._where)
 
 
-def _read_bf16(filename: str, name: str) -> np.ndarray:
+def _read_bf16(filename: str, name: str, headers: dict) -> np.ndarray:
     """One BF16 tensor as uint16 words, read from its byte range (safetensors' header gives the
-    offsets: 8-byte little-endian header length, JSON header, then the data buffer)."""
+    offsets: 8-byte little-endian header length, JSON header, then the data buffer); ``headers``
+    caches each file's parsed header."""
     with open(filename, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        meta = json.loads(f.read(n))[name]
+        if filename not in headers:
+            n = int.from_bytes(f.read(8), "little")
+            headers[filename] = (8 + n, json.loads(f.read(n)))
+        base, header = headers[filename]
+        meta = header[name]
         lo, hi = meta["data_offsets"]
-        f.seek(8 + n + lo)
+        f.seek(base + lo)
         buf = f.read(hi - lo)
     return np.frombuffer(buf, np.uint16).reshape(meta["shape"])
 
