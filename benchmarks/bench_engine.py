@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 import specjax as sj  # noqa: E402
+from specjax.config import SpecConfig  # noqa: E402
 from specjax.engine import Engine, EngineConfig, RequestParams  # noqa: E402
 
 
@@ -65,9 +66,9 @@ def smollm2_setup(args):
 def run_engine(target, draft, method, batch, prompts, args, token_bucket):
     longest = max(map(len, prompts))
     eng = Engine(target, draft, EngineConfig(
-        method=method, num_draft_tokens=args.k, max_slots=batch, batch_buckets=(batch,),
-        token_buckets=(token_bucket,), max_model_len=longest + args.max_tokens,
-        page_size=16))
+        SpecConfig(method=method, num_draft_tokens=args.k, page_size=16), max_slots=batch,
+        batch_buckets=(batch,), token_buckets=(token_bucket,),
+        max_model_len=longest + args.max_tokens))
     eng.warmup()
     params = RequestParams(max_tokens=args.max_tokens, stop_token_ids=())
     t0 = time.perf_counter()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 import os
 import time
 from typing import Sequence
@@ -13,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import kv_cache, registry, speculate
-from specjax.config import ModelConfig, SpecConfig, validate_sampling
+from specjax import kv_cache, registry, request, speculate
+from specjax.config import ModelConfig, SpecConfig
 from specjax.model import Model, check_params
 
 BUILTIN_MODELS = ("smollm2-135m",)
@@ -148,9 +147,20 @@ def early_exit_draft(target: Model, num_layers: int) -> Model:
 
 
 def check_draft(draft, target: Model, method: str = "draft") -> None:
-    """Raises a clear error when ``draft`` cannot draft for ``target`` with ``method``."""
+    """Raises a clear error when ``draft`` cannot draft for ``target`` with ``method`` (a
+    ``SpecConfig.method``; "none" takes no draft). Shared by ``generate`` and the Engine."""
     from specjax.heads import Head  # noqa: PLC0415
 
+    if method not in speculate.METHODS:
+        raise ValueError(f'method="{method}" is not available in this version of specjax '
+                         f"(implemented: {', '.join(speculate.METHODS)})")
+    if method == "none":
+        if draft is not None:
+            raise ValueError('a draft was given with method="none": pass method="draft", "mtp" or '
+                             '"eagle" to speculate with it, or drop the draft')
+        return
+    if draft is None:
+        raise ValueError(f'method="{method}" needs a draft (draft=...)')
     if method in ("mtp", "eagle", "eagle-tree"):
         if not isinstance(draft, Head):
             raise TypeError(f'method="{method}" needs a draft head (specjax.heads.Head), got '
@@ -177,25 +187,6 @@ def load_tokenizer(name_or_path: str):
 
 # ---------------------------------------------------------------------------------- inference
 
-def _check_tokens(ids: Sequence[int], vocab: int, what: str) -> list[int]:
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
-        raise TypeError(f"{what} must be a list of token ids, got {type(ids).__name__}")
-    if isinstance(ids, (np.ndarray, jax.Array)):
-        if ids.ndim != 1:
-            raise ValueError(f"{what} must be 1-D token ids, got an array of shape {ids.shape}")
-        ids = ids.tolist()
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
-    if bad:
-        raise TypeError(f"{what} must contain integer token ids, got {bad[0]!r}")
-    ids = [int(t) for t in ids]
-    if not ids:
-        raise ValueError(f"{what} is empty: a prompt needs at least one token")
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"{what} has token id {bad[0]} outside the vocabulary [0, {vocab})")
-    return ids
-
-
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _logits_jit(params, cfg, tokens, length):
     t = tokens.shape[1]  # padded to a bucket; rows beyond `length` are padding
@@ -212,7 +203,7 @@ def logits(model: Model, token_ids: Sequence[int]) -> np.ndarray:
     """Teacher-forced logits. token_ids: [T] -> float32 [T, V] (row t predicts token t+1)."""
     if not isinstance(model, Model):
         raise TypeError(f"model must be a specjax Model, got {type(model).__name__}")
-    ids = _check_tokens(token_ids, model.config.vocab_size, "token_ids")
+    ids = request.check_tokens(token_ids, model.config.vocab_size, "token_ids")
     if len(ids) > model.config.max_position_embeddings:
         raise ValueError(f"token_ids has {len(ids)} tokens, more than the model's max length "
                          f"{model.config.max_position_embeddings}")
@@ -242,25 +233,6 @@ def _batch_bucket(b: int) -> int:
     return _bucket(b, 1) if b <= 64 else -(-b // 64) * 64
 
 
-def _eos_list(eos_token_id, cfg: ModelConfig) -> list[int]:
-    """Validated stop ids: None -> the model's own; an int or an iterable of ints in [0, V)."""
-    if eos_token_id is None:
-        return list(cfg.eos_token_ids)
-    if isinstance(eos_token_id, (str, bytes)):
-        raise TypeError(f"eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
-    ids = [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else eos_token_id
-    try:
-        ids = list(ids)
-    except TypeError:
-        raise TypeError(f"eos_token_id must be an int or a list of ints, got {eos_token_id!r}") from None
-    for e in ids:
-        if isinstance(e, bool) or not isinstance(e, numbers.Integral):
-            raise TypeError(f"eos_token_id must contain ints, got {e!r}")
-        if not 0 <= e < cfg.vocab_size:
-            raise ValueError(f"eos_token_id {e} is outside the vocabulary [0, {cfg.vocab_size})")
-    return [int(e) for e in ids]
-
-
 def _per_row(value, n: int, name: str):
     if isinstance(value, (np.ndarray, jax.Array)):
         value = value.tolist()  # a 0-d array becomes a scalar
@@ -275,7 +247,7 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
              num_draft_tokens: int = 4, temperature=0.0, top_k=0, top_p=1.0, seed: int = 0,
              eos_token_id=None, *, tokenizer=None, draft_sampling: bool = False,
              page_size: int = 16, attn_impl: str = "reference", tree=None,
-             mesh=None) -> GenerateOutput:
+             spec: SpecConfig | None = None, mesh=None) -> GenerateOutput:
     """Generates continuations for a batch of prompts, speculatively or plainly.
 
     The whole generation (prefill + every step) is one jitted call with a ``lax.while_loop`` on
@@ -302,98 +274,32 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         (or a ``sharding.ShardingPlan`` choosing the draft's placement); None: one device.
       tree: specjax.tree.TreeConfig for method "eagle-tree" (default: the EAGLE-2 dynamic tree,
         depth 4, top_k 4, 16 nodes); num_draft_tokens is ignored there.
+      spec: a whole ``specjax.SpecConfig`` instead of method / num_draft_tokens / draft_sampling /
+        tree / attn_impl / page_size (which must then keep their defaults).
     Returns:
       GenerateOutput with .tokens (list[list[int]]) and .stats (acceptance_rate,
       mean_accepted_length, per_position_acceptance, steps, tokens_per_second, host_syncs, ...).
       wall_time_s / tokens_per_second cover the whole call, so the first call with new shapes
       includes compilation: time a second call (the benchmarks do).
     """
-    cfg = target.config
-    spec = SpecConfig(method=method, num_draft_tokens=num_draft_tokens, draft_sampling=draft_sampling)
-    if method == "eagle-tree":
-        from specjax.tree import TreeConfig  # noqa: PLC0415
-        tree = TreeConfig() if tree is None else tree
-        if not isinstance(tree, TreeConfig):
-            raise TypeError(f"tree must be a specjax.tree.TreeConfig, got {type(tree).__name__}")
-        if draft_sampling:
-            raise ValueError('draft_sampling=True is not supported with method="eagle-tree": tree '
-                             "nodes are the head's top-k tokens (acceptance stays lossless)")
-    elif tree is not None:
-        raise ValueError(f'tree=... is only used with method="eagle-tree", got method={method!r}')
-    if not isinstance(target, Model):
-        raise TypeError(f"target must be a specjax Model, got {type(target).__name__}")
-    if method != "none":
-        if draft is None:
-            raise ValueError(f'method="{method}" needs a draft (draft=...)')
-        check_draft(draft, target, method)
-    elif draft is not None:
-        raise ValueError('a draft was given with method="none": pass method="draft", "mtp" or '
-                         '"eagle" to speculate with it, or drop the draft')
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**31 <= seed < 2**31:
-        raise ValueError(f"seed must be an int in [-2**31, 2**31), got {seed!r}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-            or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
-        raise ValueError("prompts must be a non-empty list of token-id lists or strings")
-    if any(isinstance(p, str) for p in prompts):
-        if tokenizer is None:
-            if target.source not in BUILTIN_MODELS:
-                raise ValueError("string prompts need tokenizer=... for a non-built-in model")
-            tokenizer = load_tokenizer(target.source)
-        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-    rows = [_check_tokens(p, cfg.vocab_size, f"prompts[{i}]") for i, p in enumerate(prompts)]
-    b = len(rows)
-    temps = _per_row(temperature, b, "temperature")
-    top_ks = _per_row(top_k, b, "top_k")
-    top_ps = _per_row(top_p, b, "top_p")
-    for t_, k_, p_ in zip(temps, top_ks, top_ps):
-        validate_sampling(t_, k_, p_)
-    longest = max(len(r) for r in rows)
-    if longest + max_new_tokens > cfg.max_position_embeddings:
-        raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds the "
-                         f"model's max length {cfg.max_position_embeddings}")
-    eos = _eos_list(eos_token_id, cfg)
-
-    if method == "none":  # the baseline's compilation must not depend on draft settings
-        lc = speculate.LoopConfig(method="none", k=1, attn_impl=attn_impl, page_size=page_size)
-    else:
-        lc = speculate.LoopConfig(method=method, k=spec.num_draft_tokens,
-                                  draft_sampling=draft_sampling,
-                                  attn_impl=attn_impl, page_size=page_size, tree=tree)
-    tp = _bucket(longest)
-    k_eff = lc.k_eff
-    out_len = _bucket(max_new_tokens) + k_eff + 1
-    ppseq = kv_cache.pages_needed(tp + out_len + k_eff + 1 + lc.extra_slots, page_size)
-    # Pad the batch to a bucket with dummy rows that finish at prefill (max_new = 1), so nearby
-    # batch sizes share one compilation; real rows' streams (seed, i) are unaffected.
-    bp = _batch_bucket(b)
-    run = speculate.generate_device
-    if mesh is not None:  # batch rows split over the mesh's dp axis
-        from specjax import sharding  # noqa: PLC0415
-        plan = sharding.as_plan(mesh)
-        bp = -(-bp // plan.dp) * plan.dp
-        run = functools.partial(sharding.generate_device, plan)
-    tokens = np.zeros((bp, tp), np.int32)
-    for i, r in enumerate(rows):
-        tokens[i, :len(r)] = r
-    pad = bp - b
-    lens = [len(r) for r in rows] + [1] * pad
-    rp = speculate.RowParams(
-        temperature=jnp.asarray([float(t_) for t_ in temps] + [0.0] * pad, jnp.float32),
-        top_k=jnp.asarray([min(int(k_), cfg.vocab_size) for k_ in top_ks] + [0] * pad, jnp.int32),
-        top_p=jnp.asarray([float(p_) for p_ in top_ps] + [1.0] * pad, jnp.float32),
-        max_new=jnp.asarray([int(max_new_tokens)] * b + [1] * pad, jnp.int32),
-        eos_ids=jnp.asarray(eos + [-1] * (_bucket(len(eos), 8) - len(eos)), jnp.int32))
+    # 1. validate
+    spec = _spec_config(spec, method=method, num_draft_tokens=num_draft_tokens,
+                        draft_sampling=draft_sampling, tree=tree, attn_impl=attn_impl,
+                        page_size=page_size)
+    method = spec.method
+    req = _validate(target, draft, spec, prompts, max_new_tokens, temperature, top_k, top_p, seed,
+                    eos_token_id, tokenizer)
+    tokenizer = req.tokenizer  # string prompts may have loaded the built-in one
+    # 2. pack the batch into shape buckets
+    run, arrays, sizes = _pack(target.config, spec, req, mesh)
+    b, k_eff = len(req.rows), spec.k_eff
+    # 3. run: one jitted call, one host read
     reads_before = host_reads()
     t0 = time.perf_counter()
     result = run(
-        target.params, None if draft is None else draft.params, jnp.asarray(tokens),
-        jnp.asarray(lens, jnp.int32), rp, jnp.asarray(seed, jnp.int32),
-        target_cfg=cfg, draft_cfg=None if draft is None else draft.config, lc=lc,
-        num_pages_per_seq=ppseq, out_len=out_len)
+        target.params, None if draft is None else draft.params, *arrays,
+        target_cfg=target.config, draft_cfg=None if draft is None else draft.config, lc=spec,
+        **sizes)
     out_tokens, num_out, acc_pos, row_steps, steps = _to_host(result)
     elapsed = time.perf_counter() - t0
     toks = [out_tokens[i, :num_out[i]].tolist() for i in range(b)]
@@ -417,3 +323,99 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
     if tokenizer is not None:
         texts = [tokenizer.decode(t) for t in toks]
     return GenerateOutput(tokens=toks, stats=stats, texts=texts)
+
+
+_SPEC_DEFAULTS = dict(method="none", num_draft_tokens=4, draft_sampling=False, tree=None,
+                      attn_impl="reference", page_size=16)
+
+
+def _spec_config(spec, **fields) -> SpecConfig:
+    """generate's speculation arguments as one validated SpecConfig."""
+    if spec is None:
+        return SpecConfig(**fields)
+    if not isinstance(spec, SpecConfig):
+        raise TypeError(f"spec must be a specjax.SpecConfig, got {type(spec).__name__}")
+    changed = [k for k, v in fields.items() if v != _SPEC_DEFAULTS[k]]
+    if changed:
+        raise ValueError(f"pass either spec=... or {', '.join(changed)}, not both")
+    return spec
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """A validated generate() call: one prompt and its sampling settings per row."""
+
+    rows: list  # list[list[int]] prompt ids
+    temperature: list  # [B] floats
+    top_k: list  # [B] ints
+    top_p: list  # [B] floats
+    max_new_tokens: int
+    seed: int
+    eos: tuple  # stop ids
+    tokenizer: object
+
+
+def _validate(target, draft, spec: SpecConfig, prompts, max_new_tokens, temperature, top_k, top_p,
+              seed, eos_token_id, tokenizer) -> _Request:
+    if not isinstance(target, Model):
+        raise TypeError(f"target must be a specjax Model, got {type(target).__name__}")
+    cfg = target.config
+    check_draft(draft, target, spec.method)
+    seed = request.check_seed(seed)
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists or strings")
+    if any(isinstance(p, str) for p in prompts):
+        if tokenizer is None:
+            if target.source not in BUILTIN_MODELS:
+                raise ValueError("string prompts need tokenizer=... for a non-built-in model")
+            tokenizer = load_tokenizer(target.source)
+        prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    b = len(prompts)
+    temps = _per_row(temperature, b, "temperature")
+    top_ks = _per_row(top_k, b, "top_k")
+    top_ps = _per_row(top_p, b, "top_p")
+    rows = [request.check_request(p, cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens,
+                                  temps[i], top_ks[i], top_ps[i], what=f"prompts[{i}]")
+            for i, p in enumerate(prompts)]
+    eos = request.check_stop_ids(eos_token_id, cfg.vocab_size, cfg.eos_token_ids, "eos_token_id")
+    return _Request(rows=rows, temperature=[float(t) for t in temps],
+                    top_k=[min(int(k), cfg.vocab_size) for k in top_ks],
+                    top_p=[float(p) for p in top_ps], max_new_tokens=int(max_new_tokens),
+                    seed=seed, eos=eos, tokenizer=tokenizer)
+
+
+def _pack(cfg: ModelConfig, spec: SpecConfig, req: _Request, mesh):
+    """Pads the batch to shape buckets so nearby sizes share one compilation.
+
+    Returns (run, arrays, sizes): the device function (single-device or sharded), its array
+    arguments (tokens [Bp, Tp], prompt_lens [Bp], RowParams, seed) and static sizes.
+    """
+    b = len(req.rows)
+    longest = max(len(r) for r in req.rows)
+    tp = _bucket(longest)
+    k_eff = spec.k_eff
+    out_len = _bucket(req.max_new_tokens) + k_eff + 1
+    ppseq = kv_cache.pages_needed(tp + out_len + k_eff + 1 + spec.extra_slots, spec.page_size)
+    # Dummy rows finish at prefill (max_new = 1); real rows' streams (seed, i) are unaffected.
+    bp = _batch_bucket(b)
+    run = speculate.generate_device
+    if mesh is not None:  # batch rows split over the mesh's dp axis
+        from specjax import sharding  # noqa: PLC0415
+        plan = sharding.as_plan(mesh)
+        bp = -(-bp // plan.dp) * plan.dp
+        run = functools.partial(sharding.generate_device, plan)
+    tokens = np.zeros((bp, tp), np.int32)
+    for i, r in enumerate(req.rows):
+        tokens[i, :len(r)] = r
+    pad = bp - b
+    lens = [len(r) for r in req.rows] + [1] * pad
+    eos = list(req.eos)
+    rp = speculate.RowParams(
+        temperature=jnp.asarray(req.temperature + [0.0] * pad, jnp.float32),
+        top_k=jnp.asarray(req.top_k + [0] * pad, jnp.int32),
+        top_p=jnp.asarray(req.top_p + [1.0] * pad, jnp.float32),
+        max_new=jnp.asarray([req.max_new_tokens] * b + [1] * pad, jnp.int32),
+        eos_ids=jnp.asarray(eos + [-1] * (_bucket(len(eos), 8) - len(eos)), jnp.int32))
+    arrays = (jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), rp,
+              jnp.asarray(req.seed, jnp.int32))
+    return run, arrays, dict(num_pages_per_seq=ppseq, out_len=out_len)

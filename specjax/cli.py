@@ -134,50 +134,54 @@ def _run(target, prompts, draft, args, method, warmup: bool = True, bar=None):
     return out
 
 
-def stream_generate(target, tok, prompt_ids, draft, args, method, write, chunk: int = 8):
-    """Generates for one prompt, calling ``write(text)`` with new text as it is produced.
+def stream_generate(target, tok, prompts, draft, args, method, write, begin=None):
+    """Generates for every prompt through the serving engine, streaming text as it is produced.
 
-    ``sj.generate`` runs a whole generation on device with a single host sync, so it cannot
-    hand out tokens while it runs. Streaming therefore re-enters it every ``chunk`` new tokens
-    with the prompt plus the text so far as the new prompt (re-prefilled; the draft's state is
-    rebuilt). Greedy output is the same as one run up to floating-point ties; sampled output is
-    a different, equally valid sample (chunk i uses seed + i). Returns (tokens, merged stats).
+    All prompts are submitted to one ``specjax.Engine`` (one prefill per prompt; each step hands
+    out its tokens at once, up to k+1 for a speculative step) and printed prompt by prompt:
+    ``begin(i)`` is called before prompt i's text, then ``write(text)`` with each new piece.
+    Greedy output equals ``sj.generate``'s up to floating-point ties; sampled output draws from
+    the same distribution with the engine's streams (seed + i for prompt i).
+
+    Returns (tokens per prompt, stats: the engine's metrics snapshot, compilation included).
     """
-    import specjax as sj  # noqa: PLC0415
+    from specjax.config import SpecConfig  # noqa: PLC0415
+    from specjax.engine import Engine, EngineConfig, RequestParams  # noqa: PLC0415
 
-    eos = set(target.config.eos_token_ids)
-    done, printed, parts = [], "", []
-    while len(done) < args.max_new_tokens:
-        n = min(chunk, args.max_new_tokens - len(done))
-        out = sj.generate(target, [list(prompt_ids) + done], max_new_tokens=n, draft=draft,
-                          method=method, num_draft_tokens=args.k, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed + len(parts),
-                          tree=_tree(args, method))
-        new = out.tokens[0]
-        parts.append(out.stats)
-        done += new
+    longest = max(map(len, prompts))
+    width = 16  # one prefill chunk holds the longest prompt
+    while width < longest:
+        width *= 2
+    slots = min(len(prompts), 8)
+    engine = Engine(target, draft, EngineConfig(
+        SpecConfig(method=method, num_draft_tokens=args.k, tree=_tree(args, method)),
+        max_slots=slots, batch_buckets=(slots,), token_buckets=(width,),
+        max_model_len=min(longest + args.max_new_tokens, target.config.max_position_embeddings),
+        seed=args.seed))
+    t0 = time.perf_counter()
+    handles = [engine.submit(p, RequestParams(
+        max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed + i)) for i, p in enumerate(prompts)]
+    outputs = []
+    for i, handle in enumerate(handles):
+        if begin is not None:
+            begin(i)
+        done, printed = [], ""
+        for token in handle:  # drives engine.step() until this request has its next tokens
+            done.append(token)
+            safe = tok.decode(done).rstrip("\ufffd")  # hold back an incomplete UTF-8 sequence
+            if safe.startswith(printed) and len(safe) > len(printed):
+                write(safe[len(printed):])
+                printed = safe
         text = tok.decode(done)
-        safe = text.rstrip("\ufffd")  # hold back an incomplete UTF-8 sequence
-        if safe.startswith(printed) and len(safe) > len(printed):
-            write(safe[len(printed):])
-            printed = safe
-        if len(new) < n or (new and new[-1] in eos):
-            break
-    text = tok.decode(done)
-    if text.startswith(printed) and len(text) > len(printed):
-        write(text[len(printed):])
-    steps = sum(p["row_steps"] for p in parts)
-    acc = sum((p["mean_accepted_length"] - 1) * p["row_steps"] for p in parts)
-    wall = sum(p["wall_time_s"] for p in parts)
-    k = parts[0]["num_draft_tokens"]
-    stats = {"method": method, "num_draft_tokens": k, "streamed_chunks": len(parts),
-             "chunk_tokens": chunk, "row_steps": steps, "generated_tokens": len(done),
-             "mean_accepted_length": 1 + acc / max(steps, 1),
-             "acceptance_rate": acc / (steps * k) if k and steps else float("nan"),
-             "wall_time_s": wall, "tokens_per_second": len(done) / wall if wall else float("inf"),
-             "note": "streamed: one generate call per chunk, prompt re-prefilled each time; "
-                     "wall time includes compilation"}
-    return done, stats
+        if text.startswith(printed) and len(text) > len(printed):
+            write(text[len(printed):])
+        outputs.append(done)
+    wall = time.perf_counter() - t0
+    stats = dict(engine.stats(), wall_time_s=wall, includes_compilation=True,
+                 note="streamed through specjax.Engine: one prefill per prompt, tokens as each "
+                      "step produces them")
+    return outputs, stats
 
 
 def cmd_demo(args) -> int:
@@ -225,21 +229,18 @@ def cmd_generate(args) -> int:
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) if args.chat
                else tok.encode(t) for t in texts]
     if args.stream:
-        all_tokens, all_stats = [], []
-        for t, p in zip(texts, prompts):
-            if not args.json:
-                print(f"### {t}", flush=True)
-            write = (lambda s: None) if args.json else (lambda s: print(s, end="", flush=True))
-            toks, stats = stream_generate(target, tok, p, draft, args, args.method, write,
-                                          chunk=args.stream_chunk)
-            all_tokens.append(toks)
-            all_stats.append(stats)
-            if not args.json:
-                print("\n", flush=True)
-                _log(json.dumps(stats))
+        quiet = bool(args.json)
+        begin = (lambda i: None) if quiet else (
+            lambda i: print(("\n\n" if i else "") + f"### {texts[i]}", flush=True))
+        write = (lambda s: None) if quiet else (lambda s: print(s, end="", flush=True))
+        all_tokens, stats = stream_generate(target, tok, prompts, draft, args, args.method, write,
+                                            begin)
         if args.json:
             _write_json({"texts": [tok.decode(t) for t in all_tokens], "tokens": all_tokens,
-                         "stats": all_stats}, args.json)
+                         "stats": stats}, args.json)
+        else:
+            print("\n", flush=True)
+            _log(json.dumps(stats, default=float))
         return 0
     with _bar(1 + args.warmup, "generate", args.progress) as bar:
         out = _run(target, prompts, draft, args, args.method, warmup=args.warmup, bar=bar)
@@ -433,11 +434,11 @@ def build_parser() -> argparse.ArgumentParser:
         "generate", help="generate from prompts (plain or speculative), optionally streamed",
         description="Generates for each prompt (batched in one call unless --stream).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="--stream: sj.generate runs a whole generation on device with one host sync, so "
-               "it cannot hand out\ntokens mid-run. Streaming re-enters it every --stream-chunk "
-               "tokens, with the prompt plus the\ntext so far as the new prompt (re-prefilled; "
-               "the draft restarts). That is slower than one run;\ngreedy output matches it up to "
-               "floating-point ties, sampled output is a different valid sample.")
+        epilog="--stream: runs the prompts through the serving engine (specjax.Engine): one "
+               "prefill per prompt,\nthen tokens as each step produces them (a speculative step "
+               "delivers up to k+1 at once).\nGreedy output matches the batched run up to "
+               "floating-point ties; sampled output draws from the\nsame distribution with other "
+               "random streams.")
     _common(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--file", help="a file with one prompt per line")
@@ -454,8 +455,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="raw text, no chat template")
     gen.add_argument("--stream", action="store_true",
                      help="print text as it is produced, prompt by prompt (see below)")
-    gen.add_argument("--stream-chunk", type=int, default=8, metavar="N",
-                     help="new tokens per generate call when streaming (default: %(default)s)")
     gen.add_argument("--warmup", action="store_true",
                      help="compile with a first run and time a second (clean tokens/s)")
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Mapping
+
+from specjax.tree import TreeConfig  # tree.py imports no specjax config: no cycle
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,43 +195,118 @@ class Qwen3MoeConfig(ModelConfig):
         return kw
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Per-call sampling settings. temperature 0 means greedy (argmax)."""
-
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1.0 = off
-
-    def __post_init__(self):
-        validate_sampling(self.temperature, self.top_k, self.top_p)
+METHODS = ("none", "draft", "mtp", "eagle", "eagle3", "eagle-tree", "ngram")
+ATTN_IMPLS = ("reference", "pallas")
 
 
-def validate_sampling(temperature, top_k, top_p) -> None:
-    """Raises ValueError naming the argument for an invalid sampling setting."""
-    import numbers  # noqa: PLC0415
-
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
-            or not temperature >= 0.0 or temperature == float("inf"):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {top_k!r}")
-    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not (0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or value < lo or (hi is not None and value > hi):
+        allowed = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"SpecConfig.{name} must be an int {'in ' if hi is not None else ''}"
+                         f"{allowed}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-    """How a speculative step drafts. Static: changing it recompiles."""
+    """How decoding speculates: the one static (jit) description shared by ``sj.generate``, the
+    decode loop (``specjax.speculate``) and the serving engine (``EngineConfig.spec``).
 
-    method: str = "none"  # "none" | "draft" | "mtp" | "eagle" | "eagle-tree"
+    Frozen and hashable; every field is validated here (ValueError / TypeError naming the field
+    and its allowed range). Changing any field recompiles.
+
+    Attributes:
+      method: "none" (plain decoding), "draft" (a draft LLM), "mtp" / "eagle" (a head fed the
+        target's features, drafting a chain), "eagle3" (EAGLE-3 head on fused multi-layer
+        features), "eagle-tree" (a head drafting a tree, see ``tree``), "ngram" (drafts copied
+        from the context, no draft model).
+      num_draft_tokens: k, the chain draft length, in [1, 64] (``k``). Ignored by "eagle-tree"
+        (the tree's depth bounds a step) and stored as 1 for "none".
+      draft_sampling: sample drafts from the draft distribution q (True) or take its argmax
+        (False, point-mass drafts). Not with "eagle-tree"; stored as False for "none".
+      tree: a ``specjax.tree.TreeConfig``, present exactly when method == "eagle-tree" (default
+        there: the EAGLE-2 dynamic tree ``TreeConfig()``).
+      attn_impl: attention implementation, "reference" (jnp) or "pallas" (kernels).
+      page_size: KV-cache page size in tokens, >= 1.
+      ngram_min, ngram_max: n-gram drafting: shortest / longest context suffix matched, with
+        1 <= ngram_min <= ngram_max <= 64.
+      hybrid_min: n-gram hybrid drafting: an n-gram match of at least this many tokens is
+        preferred over the model draft (0 = no hybrid); >= 0.
+      adaptive: adapt the draft length per step from observed acceptance (not with "none").
+
+    Method "none" stores ``num_draft_tokens=1`` and ``draft_sampling=False`` whatever is passed,
+    so every plain-decoding config is equal and the baseline compiles once.
+    """
+
+    method: str = "none"
     num_draft_tokens: int = 4  # k
-    draft_sampling: bool = False  # False: point-mass (argmax) drafts; True: sample from q
+    draft_sampling: bool = False
+    tree: TreeConfig | None = None
+    attn_impl: str = "reference"
+    page_size: int = 16
+    ngram_min: int = 1
+    ngram_max: int = 3
+    hybrid_min: int = 0  # 0 = no hybrid
+    adaptive: bool = False
 
     def __post_init__(self):
-        if self.method not in ("none", "draft", "mtp", "eagle", "eagle-tree"):
-            raise ValueError(
-                f"method must be one of 'none', 'draft', 'mtp', 'eagle', 'eagle-tree'; got {self.method!r}")
-        if isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int) \
-                or not 1 <= self.num_draft_tokens <= 64:
-            raise ValueError(f"num_draft_tokens must be an int in [1, 64], got {self.num_draft_tokens!r}")
+        if self.method not in METHODS:
+            raise ValueError(f"SpecConfig.method must be one of {', '.join(map(repr, METHODS))}; "
+                             f"got {self.method!r}")
+        _check_int("num_draft_tokens", self.num_draft_tokens, 1, 64)
+        for name in ("draft_sampling", "adaptive"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"SpecConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.method == "eagle-tree":
+            if self.tree is None:
+                object.__setattr__(self, "tree", TreeConfig())
+            if not isinstance(self.tree, TreeConfig):
+                raise TypeError(f"SpecConfig.tree must be a specjax.tree.TreeConfig, got "
+                                f"{type(self.tree).__name__}")
+            if self.draft_sampling:
+                raise ValueError('SpecConfig.draft_sampling=True is not supported with method='
+                                 '"eagle-tree": tree nodes are the head\'s top-k tokens (acceptance '
+                                 'stays lossless)')
+        elif self.tree is not None:
+            raise ValueError(f'SpecConfig.tree is only used with method="eagle-tree", got '
+                             f"method={self.method!r}")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"SpecConfig.attn_impl must be one of {ATTN_IMPLS}, got "
+                             f"{self.attn_impl!r}")
+        _check_int("page_size", self.page_size, 1)
+        _check_int("ngram_min", self.ngram_min, 1, 64)
+        _check_int("ngram_max", self.ngram_max, 1, 64)
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"SpecConfig.ngram_min ({self.ngram_min}) must be <= ngram_max "
+                             f"({self.ngram_max})")
+        _check_int("hybrid_min", self.hybrid_min, 0)
+        if self.method == "none":
+            if self.adaptive:
+                raise ValueError('SpecConfig.adaptive=True needs a speculative method, got '
+                                 'method="none"')
+            object.__setattr__(self, "num_draft_tokens", 1)
+            object.__setattr__(self, "draft_sampling", False)
+
+    @property
+    def k(self) -> int:
+        """The chain draft length (``num_draft_tokens``)."""
+        return self.num_draft_tokens
+
+    @property
+    def k_eff(self) -> int:
+        """Most drafts one step can accept (0 for plain decoding; the tree's depth for trees)."""
+        if self.method == "none":
+            return 0
+        return self.tree.max_depth if self.tree is not None else self.k
+
+    @property
+    def uses_head(self) -> bool:
+        """Whether the draft is a head fed by the target's features (MTP / EAGLE)."""
+        return self.method in ("mtp", "eagle", "eagle3", "eagle-tree")
+
+    @property
+    def extra_slots(self) -> int:
+        """Cache slots one step may write beyond the committed length (page allocation)."""
+        if self.tree is not None:
+            return max(self.tree.n + 1, self.tree.draft_slots, self.k_eff + 1)
+        return self.k_eff + 1

@@ -172,6 +172,20 @@ def sample_logits(keys: jax.Array, logits: jax.Array, temperature: jax.Array, to
                   top_p: jax.Array) -> jax.Array:
     """``sample(keys, process_logits(logits, temperature, top_k, top_p))``.
 
+    An all-greedy batch takes ``argmax`` directly and skips the filtering and Gumbel noise (~1.5 ms
+    of a ~35 ms SmolLM2 step on CPU); the result is identical (greedy rows are argmax anyway).
+
     Args: as ``process_logits`` plus keys [B]. Returns: [B, ...] int32 tokens.
     """
-    return sample(keys, process_logits(logits, temperature, top_k, top_p))
+    return lax.cond(jnp.all(temperature <= 0.0),
+                    lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
+                    lambda: sample(keys, process_logits(logits, temperature, top_k, top_p)))
+
+
+def step_keys(row_keys: jax.Array, step, salt: int) -> jax.Array:
+    """Per-row keys for one use within one step: [B] keys -> [B] ``fold_in(fold_in(k, step), salt)``.
+
+    ``step`` ([] int32) numbers the decoding steps of a stream; ``salt`` separates the uses within
+    a step (the decode loop uses 0 first token, 1 draft rollout, 2 acceptance).
+    """
+    return jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(k, step), salt))(row_keys)

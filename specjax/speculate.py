@@ -42,45 +42,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax import acceptance, heads, kv_cache, registry, sampling, tree
+from specjax.config import SpecConfig
 from specjax.model import lm_head
+from specjax.sampling import step_keys as _step_keys
 
 # The model family's forward and paged cache, chosen by the static config type (specjax.registry).
 forward = registry.forward
 init_cache = registry.init_cache
 
 
-@dataclasses.dataclass(frozen=True)
-class LoopConfig:
-    """Static description of a decode loop (a jit static argument)."""
-
-    method: str = "none"  # "none" | "draft" | "mtp" | "eagle" | "eagle-tree"
-    k: int = 4  # draft length (ignored for "none"; the tree's depth for "eagle-tree")
-    draft_sampling: bool = False  # sample drafts from q (True) or point-mass argmax (False)
-    attn_impl: str = "reference"
-    page_size: int = 16
-    tree: tree.TreeConfig | None = None  # method "eagle-tree" only
-
-    def __post_init__(self):
-        if (self.method == "eagle-tree") != (self.tree is not None):
-            raise ValueError('LoopConfig.tree must be given exactly when method == "eagle-tree"')
-
-    @property
-    def k_eff(self) -> int:
-        """Most drafts one step can accept (0 for plain decoding)."""
-        if self.method == "none":
-            return 0
-        return self.tree.max_depth if self.tree is not None else self.k
-
-    @property
-    def uses_head(self) -> bool:
-        return self.method in ("mtp", "eagle", "eagle-tree")
-
-    @property
-    def extra_slots(self) -> int:
-        """Cache slots one step may write beyond the committed length (page allocation)."""
-        if self.tree is not None:
-            return max(self.tree.n + 1, self.tree.draft_slots, self.k_eff + 1)
-        return self.k_eff + 1
+# The methods this decode loop implements (config.METHODS lists every name SpecConfig accepts).
+METHODS = ("none", "draft", "mtp", "eagle", "eagle-tree")
 
 
 @jax.tree_util.register_dataclass
@@ -121,11 +93,8 @@ def _process(logits, rp: RowParams):
 
 
 def _sample(keys, logits, rp: RowParams):
-    """Samples [B] tokens from [B, V] logits; an all-greedy batch skips the Gumbel noise
-    (~1.5 ms of a ~35 ms SmolLM2 step on CPU). Identical results: greedy rows are argmax."""
-    return lax.cond(jnp.all(rp.temperature <= 0.0),
-                    lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
-                    lambda: sampling.sample(keys, _process(logits, rp)))
+    """[B] tokens from [B, V] logits with the rows' settings (sampling.sample_logits)."""
+    return sampling.sample_logits(keys, logits, rp.temperature, rp.top_k, rp.top_p)
 
 
 def _accept(keys, d, logits, q, rp: RowParams):
@@ -156,10 +125,6 @@ def _is_eos(tokens, eos_ids):
     return jnp.any(tokens[..., None] == eos_ids, axis=-1)
 
 
-def _step_keys(row_keys, step, salt):
-    return jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(k, step), salt))(row_keys)
-
-
 def _emit(state: DecodeState, emitted, count_raw, rp: RowParams):
     """Appends emitted[:, :count_raw] per active row, truncated at EOS and max_new."""
     b, width = emitted.shape
@@ -175,8 +140,49 @@ def _emit(state: DecodeState, emitted, count_raw, rp: RowParams):
     return out, num_out, done
 
 
+def extend_draft(target_params, target_cfg, draft_params, draft_cfg, tokens, hidden, start,
+                 num_new, after, draft_kv, page_table, lc: SpecConfig):
+    """Advances the draft LLM or head over a span the target has just processed (a prompt, a
+    prefill chunk, or one decode token), restoring the invariant in the module docstring.
+
+    Args:
+      tokens: [B, T] int32 the span, row b's valid part ``tokens[b, :num_new[b]]`` at positions
+        ``start[b]..``; hidden: [B, T, E] the target's final hidden states over it.
+      start, num_new: [B] int32; after: [B] int32 the token following the span (the one just
+        sampled, or the next prefill chunk's first token).
+      draft_kv: the draft / head cache (None for methods without one); page_table: [B, Pmax].
+    Returns:
+      (draft_kv, draft_logits [B, V] carried for the next draft token or None, head_hidden
+      [B, E] the head's output at the span's last position or None).
+    """
+    b, t = tokens.shape
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    if lc.uses_head:
+        # Head position j consumes (x_{j+1}, f_j): the span shifted left, `after` at its end.
+        shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
+        shifted = jax.vmap(lambda row, i, v: row.at[i].set(v))(shifted, num_new - 1, after)
+        feats = heads.head_features(target_params, target_cfg, hidden, draft_cfg)
+        hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg, shifted,
+                                          feats, positions, draft_kv, page_table, start, num_new,
+                                          attn_impl=lc.attn_impl)
+        head_hidden = jnp.take_along_axis(hh, (num_new - 1)[:, None, None], axis=1)[:, 0]
+        draft_logits = heads.head_logits(draft_params, draft_cfg, target_params, target_cfg,
+                                         head_hidden)
+        return draft_kv, draft_logits, head_hidden
+    if lc.method == "draft":
+        # The draft sees the span plus the token after it; its last logits are carried, not sampled.
+        ext = jnp.concatenate([tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
+        ext = jax.vmap(lambda row, i, v: row.at[i].set(v))(ext, num_new, after)
+        ext_pos = start[:, None] + jnp.arange(t + 1, dtype=jnp.int32)[None, :]
+        _, dh, draft_kv = forward(draft_params, draft_cfg, ext, ext_pos, draft_kv, page_table, start,
+                                  num_new + 1, attn_impl=lc.attn_impl, return_logits=False)
+        dh_last = jnp.take_along_axis(dh, num_new[:, None, None], axis=1)[:, 0]
+        return draft_kv, lm_head(draft_params, draft_cfg, dh_last), None
+    return draft_kv, None, None
+
+
 def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_lens, rp: RowParams,
-            seed, lc: LoopConfig, num_pages_per_seq: int, out_len: int, kv_dtype=jnp.float32):
+            seed, lc: SpecConfig, num_pages_per_seq: int, out_len: int, kv_dtype=jnp.float32):
     """Fills both caches over the prompts and samples the first token.
 
     Args:
@@ -200,29 +206,14 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
     logits = lm_head(target_params, target_cfg, last_h)  # [B, V]
     first = _sample(_step_keys(row_keys, 0, 0), logits, rp)  # [B]
 
-    draft_kv = draft_logits = head_hidden = None
+    draft_kv = None
     if lc.uses_head:
-        # Head position j sees (x_{j+1}, f_j): the prompt shifted left with the first token at m-1.
-        shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
-        shifted = jax.vmap(lambda row, i, t: row.at[i].set(t))(shifted, prompt_lens - 1, first)
         draft_kv = init_cache(draft_cfg.layer, num_pages, lc.page_size, kv_dtype)
-        feats = heads.head_features(target_params, target_cfg, hidden, draft_cfg)
-        hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg, shifted,
-                                          feats, positions, draft_kv, page_table, zeros, prompt_lens,
-                                          attn_impl=lc.attn_impl)
-        head_hidden = jnp.take_along_axis(hh, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
-        draft_logits = heads.head_logits(draft_params, draft_cfg, target_params, target_cfg,
-                                         head_hidden)
     elif lc.method == "draft":
-        # The draft sees the prompt plus the first token; its last logits are carried, not sampled.
-        ext = jnp.concatenate([tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
-        ext = jax.vmap(lambda row, i, t: row.at[i].set(t))(ext, prompt_lens, first)
-        ext_pos = jnp.broadcast_to(jnp.arange(tp + 1, dtype=jnp.int32), (b, tp + 1))
         draft_kv = init_cache(draft_cfg, num_pages, lc.page_size, kv_dtype)
-        _, dh, draft_kv = forward(draft_params, draft_cfg, ext, ext_pos, draft_kv, page_table, zeros,
-                                  prompt_lens + 1, attn_impl=lc.attn_impl, return_logits=False)
-        dh_last = jnp.take_along_axis(dh, prompt_lens[:, None, None], axis=1)[:, 0]
-        draft_logits = lm_head(draft_params, draft_cfg, dh_last)
+    draft_kv, draft_logits, head_hidden = extend_draft(
+        target_params, target_cfg, draft_params, draft_cfg, tokens, hidden, zeros, prompt_lens,
+        first, draft_kv, page_table, lc)
 
     state = DecodeState(
         target_kv=target_kv, draft_kv=draft_kv, page_table=page_table, lengths=prompt_lens + 1,
@@ -235,7 +226,7 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
 
 
 def _draft_rollout(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
-                   rp: RowParams, lc: LoopConfig):
+                   rp: RowParams, lc: SpecConfig):
     """k draft tokens from the carried logits and k-1 one-token draft (or head) forwards.
 
     Returns (draft_kv, tokens [B, K], probs [B, K, V] or None).
@@ -279,7 +270,7 @@ def _draft_rollout(target_params, target_cfg, draft_params, draft_cfg, state: De
 
 
 def spec_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
-              rp: RowParams, lc: LoopConfig) -> DecodeState:
+              rp: RowParams, lc: SpecConfig) -> DecodeState:
     """One fused speculative (or plain) decoding step for the whole batch."""
     b = state.lengths.shape[0]
     n = state.lengths
@@ -342,7 +333,7 @@ def spec_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeS
 
 
 def _tree_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
-               rp: RowParams, lc: LoopConfig) -> DecodeState:
+               rp: RowParams, lc: SpecConfig) -> DecodeState:
     """One tree-drafting step (method "eagle-tree"); see the module docstring."""
     tc = lc.tree
     n = state.lengths
@@ -396,7 +387,7 @@ def _tree_step(target_params, target_cfg, draft_params, draft_cfg, state: Decode
 
 
 def decode_loop(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
-                rp: RowParams, lc: LoopConfig) -> DecodeState:
+                rp: RowParams, lc: SpecConfig) -> DecodeState:
     """Runs spec_step under lax.while_loop until every row is done: no host sync inside."""
     max_steps = state.out_tokens.shape[1] + 1
 

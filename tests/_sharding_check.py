@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 
 import specjax as sj  # noqa: E402
 from specjax import kv_cache, sharding, speculate  # noqa: E402
-from specjax.config import ModelConfig  # noqa: E402
+from specjax.config import ModelConfig, SpecConfig  # noqa: E402
 from specjax.heads import Head, HeadConfig, init_head  # noqa: E402
 from specjax.model import Model, forward, init_params  # noqa: E402
 
@@ -73,7 +73,7 @@ def inputs():
 
 def static(target, draft, method):
     return dict(target_cfg=target.config, draft_cfg=None if draft is None else draft.config,
-                lc=speculate.LoopConfig(method=method, k=1 if method == "none" else K),
+                lc=SpecConfig(method=method, num_draft_tokens=K),
                 num_pages_per_seq=PAGES_PER_SEQ, out_len=OUT_LEN)
 
 

@@ -115,8 +115,10 @@ def test_batch_sizes_share_compilations(model):
     b = sj.generate(model, [[1, 2], [3], [4, 5]], max_new_tokens=7, eos_token_id=[4, 5],
                     num_draft_tokens=2)  # ignored by method="none"
     c = sj.generate(model, [[1, 2], [3], [4, 5]], max_new_tokens=5, eos_token_id=[4])
+    d = sj.generate(model, [[1, 2], [3], [4, 5]], max_new_tokens=5, eos_token_id=[4],
+                    spec=sj.SpecConfig(num_draft_tokens=9, page_size=16))  # the same config
     assert speculate.generate_device._cache_size() == before  # batch 3/4, eos 0-2 ids, k: one compile
-    assert a.tokens[:3] == c.tokens  # padding rows change nothing
+    assert a.tokens[:3] == c.tokens == d.tokens  # padding rows change nothing
     assert len(b.tokens) == 3
 
 
@@ -137,3 +139,44 @@ def test_numpy_scalars_accepted(model):
     out = sj.generate(model, [np.array([1, 2, 3])], max_new_tokens=np.int64(3),
                       temperature=np.float32(0.5), top_k=np.int64(5), eos_token_id=[])
     assert len(out.tokens[0]) == 3
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(method="medusa"), ValueError, "SpecConfig.method must be one of 'none', 'draft'"),
+    (dict(method="draft", num_draft_tokens=0), ValueError,
+     "SpecConfig.num_draft_tokens must be an int in \\[1, 64\\]"),
+    (dict(method="draft", num_draft_tokens=True), ValueError, "num_draft_tokens"),
+    (dict(method="draft", draft_sampling=1), TypeError, "SpecConfig.draft_sampling must be a bool"),
+    (dict(method="draft", tree=sj.SpecConfig(method="eagle-tree").tree), ValueError,
+     'tree is only used with method="eagle-tree"'),
+    (dict(method="eagle-tree", tree=(0, 0, 1)), TypeError, "TreeConfig"),
+    (dict(method="eagle-tree", draft_sampling=True), ValueError, "draft_sampling"),
+    (dict(attn_impl="cuda"), ValueError, "SpecConfig.attn_impl must be one of"),
+    (dict(page_size=0), ValueError, "SpecConfig.page_size must be an int >= 1"),
+    (dict(method="ngram", ngram_min=0), ValueError, "ngram_min must be an int in \\[1, 64\\]"),
+    (dict(method="ngram", ngram_min=4, ngram_max=3), ValueError, "ngram_min \\(4\\) must be <="),
+    (dict(method="ngram", hybrid_min=-1), ValueError, "hybrid_min must be an int >= 0"),
+    (dict(adaptive=True), ValueError, 'adaptive=True needs a speculative method'),
+])
+def test_spec_config_is_validated(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        sj.SpecConfig(**kwargs)
+
+
+def test_spec_config_normalises_and_is_static():
+    assert sj.SpecConfig(num_draft_tokens=7, draft_sampling=True) == sj.SpecConfig()  # "none"
+    tree = sj.SpecConfig(method="eagle-tree")
+    assert tree.tree is not None and tree.k_eff == tree.tree.max_depth and tree.uses_head
+    chain = sj.SpecConfig(method="mtp", num_draft_tokens=3, adaptive=True)
+    assert (chain.k, chain.k_eff, chain.extra_slots) == (3, 3, 4) and hash(chain)
+
+
+def test_spec_argument_conflicts_and_unavailable_methods(model, monkeypatch):
+    from specjax import speculate
+    with pytest.raises(ValueError, match="pass either spec=... or method, not both"):
+        sj.generate(model, [[1]], method="draft", spec=sj.SpecConfig())
+    with pytest.raises(TypeError, match="spec must be a specjax.SpecConfig"):
+        sj.generate(model, [[1]], spec="draft")
+    monkeypatch.setattr(speculate, "METHODS", ("none",))  # a method the config knows, not the loop
+    with pytest.raises(ValueError, match='method="draft" is not available'):
+        sj.generate(model, [[1]], draft=model, method="draft")

@@ -52,24 +52,30 @@ def test_help_for_every_command(capsys):
             cli.main(cmd + ["--help"])
         assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "--stream" in out and "re-enters it every" in out  # streaming is explained honestly
+    assert "--stream" in out and "one prefill per prompt" in out  # streaming is explained
     assert "assistant_model" in out  # convert says what --to hf is for
 
 
 def test_generate_stream_matches_one_run(tiny_dirs, capsys):
+    """--stream goes through the engine: the same greedy tokens as one batched run, each prompt
+    prefilled once (one ordinary step per prompt, the rest speculative), text printed per prompt."""
     target, draft = tiny_dirs
     base = ["generate", "--model", target, "--tokenizer", "smollm2-135m", "--prompt", "Hello there",
-            "--max-new-tokens", "10", "--no-chat", "--method", "draft", "--draft", draft, "-k", "2",
-            "--no-progress"]
+            "--prompt", "The sea", "--max-new-tokens", "10", "--no-chat", "--method", "draft",
+            "--draft", draft, "-k", "2", "--no-progress"]
     assert cli.main(base + ["--json"]) == 0
     whole = json.loads(capsys.readouterr().out)
-    assert cli.main(base + ["--stream", "--stream-chunk", "3", "--json"]) == 0
+    assert cli.main(base + ["--stream", "--json"]) == 0
     streamed = json.loads(capsys.readouterr().out)
     assert streamed["tokens"] == whole["tokens"]
-    assert streamed["stats"][0]["streamed_chunks"] == -(-len(whole["tokens"][0]) // 3)
-    assert cli.main(base + ["--stream", "--stream-chunk", "4"]) == 0
+    steps = streamed["stats"]["steps"]
+    assert steps["extend"] == 1 and steps["spec"] >= 1  # both prompts prefilled in one step
+    assert streamed["stats"]["generation_tokens_total"] == sum(map(len, whole["tokens"]))
+    assert cli.main(base + ["--stream"]) == 0
     out = capsys.readouterr().out
-    assert whole["texts"][0].strip() in out
+    first, second = out.split("### The sea")
+    assert "### Hello there" in first and whole["texts"][0].strip() in first
+    assert whole["texts"][1].strip() in second
 
 
 def test_convert_round_trips(tiny_dirs, tmp_path, capsys):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.config import SpecConfig
 from specjax.engine import Engine, EngineConfig, PageAllocator, RequestParams, steps
 from specjax.engine.scheduler import Scheduler
 from specjax.heads import Head, HeadConfig, init_head
@@ -21,8 +22,8 @@ from tests.conftest import tiny_model
 K = 3
 MAX_PROMPT, MAX_TOKENS = 16, 16
 # num_pages = 3 full-length sequences for 8 slots: admissions wait and requests get preempted.
-BASE = dict(num_draft_tokens=K, max_slots=8, batch_buckets=(8,), token_buckets=(8,),
-            max_model_len=MAX_PROMPT + MAX_TOKENS, page_size=4, num_pages=30)
+BASE = dict(max_slots=8, batch_buckets=(8,), token_buckets=(8,),
+            max_model_len=MAX_PROMPT + MAX_TOKENS, num_pages=30)
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +42,15 @@ def drafts(target):
             "eagle-tree": head("eagle")}
 
 
-def make_engine(target, drafts, method, **kw):
+def spec(method, **kw):
+    """The tests' speculation config for ``method`` (k = K, page size 4, a small tree)."""
     if method == "eagle-tree":
         kw.setdefault("tree", TreeConfig(depth=3, top_k=2, num_nodes=6))
-    return Engine(target, drafts[method], EngineConfig(method=method, **{**BASE, **kw}))
+    return SpecConfig(method=method, num_draft_tokens=K, page_size=4, **kw)
+
+
+def make_engine(target, drafts, method, **kw):
+    return Engine(target, drafts[method], EngineConfig(spec(method), **{**BASE, **kw}))
 
 
 def random_requests(n, seed):
@@ -157,25 +163,27 @@ def test_scheduler_plans_chunks_and_allocates_ahead():
 
 
 def test_engine_config_is_validated(target, drafts):
-    bad = [(dict(method="none", max_slots=0), "max_slots"),
-           (dict(method="none", batch_buckets=(2, 4)), "end at max_slots"),
-           (dict(method="none", token_buckets=(0,)), "token_buckets"),
-           (dict(method="none", num_pages=2), "num_pages"),
-           (dict(method="none", max_model_len=10_000), "max_model_len"),
-           (dict(method="none", schedule="eager"), "schedule"),
-           (dict(method="none", spec_max_batch=-1), "spec_max_batch"),
-           (dict(method="draft", tree=TreeConfig()), "tree"),
-           (dict(method="medusa"), "method")]
+    bad = [(dict(max_slots=0), "max_slots"),
+           (dict(batch_buckets=(2, 4)), "end at max_slots"),
+           (dict(token_buckets=(0,)), "token_buckets"),
+           (dict(num_pages=2), "num_pages"),
+           (dict(max_model_len=10_000), "max_model_len"),
+           (dict(schedule="eager"), "schedule"),
+           (dict(spec_max_batch=-1), "spec_max_batch")]
     for kw, match in bad:
         with pytest.raises(ValueError, match=match):
-            Engine(target, drafts.get(kw["method"]), EngineConfig(**kw))
+            Engine(target, None, EngineConfig(**kw))
+    with pytest.raises(TypeError, match="EngineConfig.spec must be a specjax.SpecConfig"):
+        Engine(target, None, EngineConfig(spec="draft"))
     with pytest.raises(ValueError, match="needs a draft"):
-        Engine(target, None, EngineConfig(method="draft"))
+        Engine(target, None, EngineConfig(SpecConfig(method="draft")))
+    with pytest.raises(ValueError, match='draft was given with method="none"'):
+        Engine(target, drafts["draft"], EngineConfig())
     with pytest.raises(TypeError, match="needs a draft head"):
-        Engine(target, drafts["draft"], EngineConfig(method="mtp"))
+        Engine(target, drafts["draft"], EngineConfig(SpecConfig(method="mtp")))
     assert Engine(target, None, EngineConfig(max_slots=6)).batch_buckets == (1, 2, 4, 6)
-    assert Engine(target, drafts["draft"], EngineConfig(method="draft")).schedule == "sync"
-    assert Engine(target, drafts["mtp"], EngineConfig(method="mtp")).schedule == "async"
+    assert Engine(target, drafts["draft"], EngineConfig(SpecConfig(method="draft"))).schedule == "sync"
+    assert Engine(target, drafts["mtp"], EngineConfig(SpecConfig(method="mtp"))).schedule == "async"
 
 
 # --------------------------------------------------------------------- the loaded-engine test
@@ -254,7 +262,7 @@ def test_bad_requests_are_rejected_while_others_run(target, drafts):
         ([1], dict(top_p=0.0), "top_p"),
         ([1], dict(top_k=-2), "top_k"),
         ([1], dict(seed=2**40), "seed"),
-        ([1], dict(stop_token_ids=(70,)), "stop token"),
+        ([1], dict(stop_token_ids=(70,)), "stop_token_ids 70 is outside the vocabulary"),
     ]
     for prompt, kw, match in bad:
         with pytest.raises(ValueError, match=match):
@@ -395,8 +403,8 @@ def test_host_work_overlaps_device_steps(schedule, monkeypatch):
     """
     target = tiny_model(20, vocab=2048, hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64)
     engine = Engine(target, sj.early_exit_draft(target, 1), EngineConfig(
-        method="draft", num_draft_tokens=K, max_slots=8, batch_buckets=(8,), token_buckets=(8,),
-        max_model_len=64, page_size=4, schedule=schedule, record_timeline=True))
+        spec("draft"), max_slots=8, batch_buckets=(8,), token_buckets=(8,),
+        max_model_len=64, schedule=schedule, record_timeline=True))
     engine.warmup()
     meta = jax.device_put(steps.pack([], engine.sc, 8, 0))
     times = []
@@ -459,8 +467,8 @@ def test_sampled_requests_follow_the_target_distribution(method):
         cfg = HeadConfig.for_target(target.config, "mtp")
         draft = Head(init_head(cfg, jax.random.key(5), scale=1.0), cfg)
     engine = Engine(target, draft, EngineConfig(
-        method=method, num_draft_tokens=2, max_slots=64, batch_buckets=(64,), token_buckets=(8,),
-        max_model_len=16, page_size=4))
+        SpecConfig(method=method, num_draft_tokens=2, page_size=4), max_slots=64,
+        batch_buckets=(64,), token_buckets=(8,), max_model_len=16))
     params = [RequestParams(max_tokens=3, temperature=1.0, seed=i, stop_token_ids=())
               for i in range(N_ROWS)]
     handles = [engine.submit(PROMPT, p) for p in params]

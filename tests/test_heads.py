@@ -7,6 +7,7 @@ import pytest
 
 import specjax as sj
 from specjax import heads, kv_cache, speculate
+from specjax.config import SpecConfig
 from specjax.heads import Head, HeadConfig, init_head
 from specjax.model import forward
 from tests.conftest import count_host_reads, tiny_model
@@ -45,7 +46,7 @@ def _run_steps(target, draft, method, k, steps):
     toks = np.zeros((b, tp), np.int32)
     for i, p in enumerate(PROMPTS):
         toks[i, :len(p)] = p
-    lc = speculate.LoopConfig(method=method, k=k)
+    lc = SpecConfig(method=method, num_draft_tokens=k)
     rp = speculate.RowParams(temperature=jnp.zeros(b), top_k=jnp.zeros(b, jnp.int32),
                              top_p=jnp.ones(b), max_new=jnp.full((b,), 10_000, jnp.int32),
                              eos_ids=jnp.asarray([-1], jnp.int32))

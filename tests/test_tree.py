@@ -10,6 +10,7 @@ import pytest
 
 import specjax as sj
 from specjax import heads, kv_cache, speculate, tree
+from specjax.config import SpecConfig
 from specjax.model import forward
 from specjax.sampling import categorical
 from specjax.tree import TreeConfig
@@ -285,7 +286,7 @@ def test_kv_compaction_matches_fresh_prefill(small_vocab_target, tc, temperature
     toks = np.zeros((b, 32), np.int32)
     for i, p in enumerate(PROMPTS):
         toks[i, :len(p)] = np.asarray(p) % V
-    lc = speculate.LoopConfig(method="eagle-tree", tree=tc)
+    lc = SpecConfig(method="eagle-tree", tree=tc)
     rp = speculate.RowParams(temperature=jnp.full(b, temperature), top_k=jnp.zeros(b, jnp.int32),
                              top_p=jnp.ones(b), max_new=jnp.full((b,), 10_000, jnp.int32),
                              eos_ids=jnp.asarray([-1], jnp.int32))

@@ -2,7 +2,8 @@
 
 Usage::
 
-    engine = Engine(target, draft, EngineConfig(method="draft", num_draft_tokens=4, max_slots=8))
+    engine = Engine(target, draft, EngineConfig(SpecConfig(method="draft", num_draft_tokens=4),
+                                                max_slots=8))
     engine.warmup()                                   # compile every bucket once
     h = engine.submit([1, 2, 3], RequestParams(max_tokens=32, temperature=0.7, seed=1))
     for tok in h: ...                                 # stream (drives the engine if no thread)
@@ -47,18 +48,16 @@ import warnings
 import jax
 import numpy as np
 
-from specjax.api import _check_tokens, check_draft
-from specjax import registry
-from specjax.config import validate_sampling
+from specjax import registry, request
+from specjax.api import check_draft
+from specjax.config import SpecConfig
 from specjax.engine import steps
 from specjax.engine.allocator import PageAllocator
 from specjax.engine.metrics import EngineMetrics
 from specjax.engine.scheduler import FINISHED, Request, Scheduler, bucket
 from specjax.kv_cache import pages_needed
 from specjax.model import Model
-from specjax.speculate import LoopConfig
 
-METHODS = ("none", "draft", "mtp", "eagle", "eagle-tree")
 SCHEDULES = ("sync", "async")
 
 
@@ -84,8 +83,8 @@ class RequestParams:
 class EngineConfig:
     """Static engine settings.
 
-    method / num_draft_tokens / draft_sampling / tree: as ``sj.generate`` (``tree``: a
-      specjax.tree.TreeConfig for method "eagle-tree", default the EAGLE-2 dynamic tree).
+    spec: how steps speculate (``specjax.SpecConfig``: method, k, draft sampling, tree, attention
+      implementation, page size, ...), the same config ``sj.generate(spec=...)`` takes.
     max_slots: S, requests resident at once (= the largest batch bucket).
     batch_buckets: static batch sizes a step is padded to (default: powers of two up to S, and S).
     token_buckets: static prefill-chunk widths T (prompts longer than the largest are chunked).
@@ -100,22 +99,17 @@ class EngineConfig:
     record_timeline: keep per-step host/device timestamps in ``Engine.timeline``.
     """
 
-    method: str = "none"
-    num_draft_tokens: int = 4
-    draft_sampling: bool = False
+    spec: SpecConfig = SpecConfig()
     max_slots: int = 8
     batch_buckets: tuple | None = None
     token_buckets: tuple = (16, 64)
     max_prefill_tokens: int | None = None
     max_model_len: int = 512
     num_pages: int | None = None
-    page_size: int = 16
     schedule: str | None = None
     spec_max_batch: int | None = None
-    attn_impl: str = "reference"
     seed: int = 0
     record_timeline: bool = False
-    tree: object = None
 
 
 def _is_int(x) -> bool:
@@ -208,29 +202,14 @@ class Engine:
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax Model, got {type(target).__name__}")
         registry.require(target.config, "engine")  # an unsupported family fails here, not in a step
-        if cfg.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {cfg.method!r}")
-        if cfg.method == "none" and draft is not None:
-            raise ValueError('a draft was given with method="none"')
-        if cfg.method != "none":
-            if draft is None:
-                raise ValueError(f'method="{cfg.method}" needs a draft')
-            check_draft(draft, target, cfg.method)
-        if not _is_int(cfg.num_draft_tokens) or not 1 <= cfg.num_draft_tokens <= 64:
-            raise ValueError(f"num_draft_tokens must be an int in [1, 64], got {cfg.num_draft_tokens!r}")
+        if not isinstance(cfg.spec, SpecConfig):
+            raise TypeError(f"EngineConfig.spec must be a specjax.SpecConfig, got "
+                            f"{type(cfg.spec).__name__}")
+        spec = cfg.spec
+        check_draft(draft, target, spec.method)
         if not _is_int(cfg.max_slots) or cfg.max_slots < 1:
             raise ValueError(f"max_slots must be an int >= 1, got {cfg.max_slots!r}")
-        tree = cfg.tree
-        if cfg.method == "eagle-tree":
-            from specjax.tree import TreeConfig  # noqa: PLC0415
-            tree = TreeConfig() if tree is None else tree
-            if not isinstance(tree, TreeConfig):
-                raise TypeError(f"tree must be a specjax.tree.TreeConfig, got {type(tree).__name__}")
-            if cfg.draft_sampling:
-                raise ValueError('draft_sampling is not supported with method="eagle-tree"')
-        elif tree is not None:
-            raise ValueError(f'tree=... is only used with method="eagle-tree", got {cfg.method!r}')
-        schedule = cfg.schedule or ("sync" if cfg.method == "draft" else "async")
+        schedule = cfg.schedule or ("sync" if spec.method == "draft" else "async")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {cfg.schedule!r}")
         if not _is_int(cfg.max_model_len) or not 2 <= cfg.max_model_len <= \
@@ -248,8 +227,6 @@ class Engine:
                              f"{cfg.max_slots}")
         if not token_buckets or not all(_is_int(t) and t >= 1 for t in token_buckets):
             raise ValueError(f"token_buckets must be positive ints, got {cfg.token_buckets}")
-        if not _is_int(cfg.page_size) or cfg.page_size < 1:
-            raise ValueError(f"page_size must be an int >= 1, got {cfg.page_size!r}")
         for name in ("spec_max_batch", "max_prefill_tokens", "num_pages"):
             value = getattr(cfg, name)
             if value is not None and (not _is_int(value) or value < (0 if name == "spec_max_batch" else 1)):
@@ -258,24 +235,21 @@ class Engine:
         self.target, self.draft, self.config = target, draft, cfg
         self.schedule = schedule
         self.batch_buckets, self.token_buckets = batch_buckets, token_buckets
-        lc = LoopConfig(method=cfg.method, k=cfg.num_draft_tokens if cfg.method != "none" else 1,
-                        draft_sampling=cfg.draft_sampling, attn_impl=cfg.attn_impl,
-                        page_size=cfg.page_size, tree=tree)
-        self.k_eff = lc.k_eff  # most drafts one step accepts (the tree depth for trees)
+        self.k_eff = spec.k_eff  # most drafts one step accepts (the tree depth for trees)
         # A step adds at most k_eff + 1 tokens and writes at most `write_ahead` slots from n - 1.
-        write_ahead = lc.extra_slots if self.k_eff else 1
+        write_ahead = spec.extra_slots if self.k_eff else 1
         pages_per_seq = pages_needed(cfg.max_model_len + self.k_eff + 1 + write_ahead,
-                                     cfg.page_size)
+                                     spec.page_size)
         num_pages = cfg.num_pages or cfg.max_slots * pages_per_seq
         if num_pages < pages_per_seq:
             raise ValueError(f"num_pages {num_pages} cannot hold one sequence of max_model_len "
-                             f"{cfg.max_model_len} (needs {pages_per_seq} pages of {cfg.page_size})")
-        self.sc = steps.StepConfig(lc=lc, num_slots=cfg.max_slots, pages_per_seq=pages_per_seq)
+                             f"{cfg.max_model_len} (needs {pages_per_seq} pages of {spec.page_size})")
+        self.sc = steps.StepConfig(lc=spec, num_slots=cfg.max_slots, pages_per_seq=pages_per_seq)
         self._draft_params = None if draft is None else draft.params
         self._draft_cfg = None if draft is None else draft.config
         self._state = steps.init_state(target.config, self._draft_cfg, self.sc, num_pages,
                                        target.dtype)
-        self.allocator = PageAllocator(num_pages, cfg.page_size)
+        self.allocator = PageAllocator(num_pages, spec.page_size)
         self.scheduler = Scheduler(
             self.allocator, num_slots=cfg.max_slots, token_buckets=token_buckets, k_eff=self.k_eff,
             write_ahead=write_ahead,
@@ -314,23 +288,11 @@ class Engine:
         if not isinstance(params, RequestParams):
             raise TypeError(f"params must be a RequestParams, got {type(params).__name__}")
         v = self.target.config.vocab_size
-        ids = _check_tokens(prompt, v, "prompt")
-        validate_sampling(params.temperature, params.top_k, params.top_p)
-        if not _is_int(params.max_tokens) or params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {params.max_tokens!r}")
-        limit = self.config.max_model_len
-        if len(ids) + params.max_tokens > limit:
-            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} exceeds "
-                             f"max_model_len {limit}")
-        if params.seed is not None and (not _is_int(params.seed) or not -2**31 <= params.seed < 2**31):
-            raise ValueError(f"seed must be None or an int in [-2**31, 2**31), got {params.seed!r}")
-        stop = self._stop_ids if params.stop_token_ids is None else params.stop_token_ids
-        if isinstance(stop, (str, bytes)) or not hasattr(stop, "__iter__"):
-            raise ValueError(f"stop_token_ids must be a sequence of ints, got {stop!r}")
-        stop = tuple(stop)
-        for s in stop:
-            if not _is_int(s) or not 0 <= s < v:
-                raise ValueError(f"stop token {s!r} is not an id in [0, {v})")
+        ids = request.check_request(prompt, v, self.config.max_model_len, params.max_tokens,
+                                    params.temperature, params.top_k, params.top_p,
+                                    max_new_name="max_tokens", max_len_name="max_model_len")
+        request.check_seed(params.seed, allow_none=True)
+        stop = request.check_stop_ids(params.stop_token_ids, v, self._stop_ids, "stop_token_ids")
         with self._lock:
             rid = next(self._ids)
             seed = params.seed if params.seed is not None else int(self._rng.integers(-2**31, 2**31))
@@ -573,7 +535,7 @@ class Engine:
         s = self.metrics.snapshot(running=len(self.scheduler.running),
                                   waiting=len(self.scheduler.waiting) + self._submitted.qsize(),
                                   usage=self.allocator.usage)
-        s.update(method=self.config.method, schedule=self.schedule, num_draft_tokens=self.k_eff,
+        s.update(method=self.config.spec.method, schedule=self.schedule, num_draft_tokens=self.k_eff,
                  engine_steps=self.num_steps, host_time_s=self.host_time_s,
                  blocked_time_s=self.blocked_time_s, num_preemptions_total=self.scheduler.num_preemptions)
         return s

@@ -8,7 +8,7 @@ device holds its state). Each ``schedule()`` call plans one device step:
    prefill-token budget).
 2. Pages are allocated *ahead* for every row of the step: a decode row of a request with
    (upper-bound) length n writes slot n-1 and at most w slots beyond it (w = ``write_ahead``:
-   k+1 for a chain, ``LoopConfig.extra_slots`` for trees), so pages cover n + w tokens; a chunk
+   k+1 for a chain, ``SpecConfig.extra_slots`` for trees), so pages cover n + w tokens; a chunk
    ending at e needs e + w. The upper bound n_ub = known length + the growth of the steps still in flight
    (k+1 per speculative step, 1 per ordinary one), so a step may be planned before the previous
    one's accepted lengths are known.

@@ -43,7 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import heads, kv_cache, registry, speculate
+from specjax import kv_cache, registry, sampling, speculate
+from specjax.config import SpecConfig
 from specjax.model import lm_head
 from specjax.registry import forward
 
@@ -57,7 +58,7 @@ KIND_PAD, KIND_PREFILL, KIND_DECODE = 0, 1, 2
 class StepConfig:
     """Static shape of the engine's device state (a jit static argument)."""
 
-    lc: speculate.LoopConfig  # method, k, draft_sampling, attn_impl, page_size
+    lc: SpecConfig  # method, k, draft_sampling, tree, attn_impl, page_size, ...
     num_slots: int  # S request slots (slot S is the padding dummy)
     pages_per_seq: int  # Pmax page-table width
 
@@ -182,7 +183,7 @@ def _extend(target_params, draft_params, state: SlotState, meta, *, target_cfg, 
     """
     lc = sc.lc
     cols, page_table, tokens = _unpack(meta, sc)  # tokens [B, T]
-    b, t = tokens.shape
+    t = tokens.shape[1]
     slot = cols["slot"]
     is_dec = cols["kind"] == KIND_DECODE
     n_dev = state.lengths[slot]
@@ -197,33 +198,17 @@ def _extend(target_params, draft_params, state: SlotState, meta, *, target_cfg, 
     last_h = jnp.take_along_axis(hidden, (num_new - 1)[:, None, None], axis=1)[:, 0]  # [B, E]
     logits = lm_head(target_params, target_cfg, last_h)  # [B, V]
     pos_new = start + num_new  # position of the sampled token
-    keys = speculate._step_keys(_row_keys(cols["seed"], pos_new), jnp.zeros((), jnp.int32), 0)
-    y = speculate._sample(keys, logits, _row_params(cols, 1))  # [B]
+    keys = sampling.step_keys(_row_keys(cols["seed"], pos_new), jnp.zeros((), jnp.int32), 0)
+    y = sampling.sample_logits(keys, logits, cols["temperature"], cols["top_k"],
+                               cols["top_p"])  # [B]
     commit = cols["valid"] & (is_dec | cols["final"])
     after = jnp.where(commit, y, cols["next"])  # the token following the processed span
 
-    draft_kv, draft_logits, head_hidden = state.draft_kv, None, None
-    if lc.method == "draft":
-        # The draft sees the same span plus the token after it (for decode rows it rewrites
-        # x_{n-1} with identical K/V and writes y); its last logits are carried, not sampled.
-        ext = jnp.concatenate([tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
-        ext = jax.vmap(lambda row, i, v: row.at[i].set(v))(ext, num_new, after)
-        ext_pos = start[:, None] + jnp.arange(t + 1, dtype=jnp.int32)[None, :]
-        _, dh, draft_kv = forward(draft_params, draft_cfg, ext, ext_pos, draft_kv, page_table, start,
-                                  num_new + 1, attn_impl=lc.attn_impl, return_logits=False)
-        dh_last = jnp.take_along_axis(dh, num_new[:, None, None], axis=1)[:, 0]
-        draft_logits = lm_head(draft_params, draft_cfg, dh_last)
-    elif lc.uses_head:
-        # Head position j consumes (x_{j+1}, f_j): the span shifted left, `after` at its end.
-        shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
-        shifted = jax.vmap(lambda row, i, v: row.at[i].set(v))(shifted, num_new - 1, after)
-        feats = heads.head_features(target_params, target_cfg, hidden, draft_cfg)
-        hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, target_cfg, shifted,
-                                          feats, positions, draft_kv, page_table, start, num_new,
-                                          attn_impl=lc.attn_impl)
-        head_hidden = jnp.take_along_axis(hh, (num_new - 1)[:, None, None], axis=1)[:, 0]
-        draft_logits = heads.head_logits(draft_params, draft_cfg, target_params, target_cfg,
-                                         head_hidden)
+    # The draft / head over the same span plus the token after it (for decode rows the draft
+    # rewrites x_{n-1} with identical K/V and writes y).
+    draft_kv, draft_logits, head_hidden = speculate.extend_draft(
+        target_params, target_cfg, draft_params, draft_cfg, tokens, hidden, start, num_new, after,
+        state.draft_kv, page_table, lc)
 
     state = dataclasses.replace(state, target_kv=target_kv, draft_kv=draft_kv)
     updates = dict(lengths=pos_new + 1, last_token=y)
