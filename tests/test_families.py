@@ -115,8 +115,9 @@ def test_deepseek_v3_mtp_lossless(v3_dir):
     assert out.tokens == plain
     from specjax.engine import Engine, EngineConfig  # the engine runs the family's forward too
 
-    engine = Engine(target, head, EngineConfig(method="mtp", num_draft_tokens=2, max_slots=2,
-                                               batch_buckets=(2,), max_model_len=32, page_size=4))
+    spec = sj.SpecConfig(method="mtp", num_draft_tokens=2, page_size=4)
+    engine = Engine(target, head, EngineConfig(spec=spec, max_slots=2, batch_buckets=(2,),
+                                               max_model_len=32))
     assert engine.generate(PROMPTS, sj.RequestParams(max_tokens=NEW, stop_token_ids=())) == plain
 
 
@@ -174,7 +175,8 @@ def test_engine_accepts_every_family_and_rejects_unknown(family):
     from specjax.engine import Engine, EngineConfig
 
     _, _, model = family
-    Engine(model, sj.early_exit_draft(model, 1), EngineConfig(method="draft", max_model_len=64))
+    Engine(model, sj.early_exit_draft(model, 1),
+           EngineConfig(spec=sj.SpecConfig(method="draft"), max_model_len=64))
     bogus = sj.Model(params=model.params, config=object())
     with pytest.raises(TypeError, match="not a registered model config"):
         Engine(bogus, None, EngineConfig())
