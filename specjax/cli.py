@@ -1,4 +1,4 @@
-"""The ``specjax`` command: demo, generate, bench, convert, train-head, train-draft.
+"""The ``specjax`` command: demo, generate, serve, bench, convert, train-head, train-draft.
 
 Every command takes ``--help``; ``--json`` gives machine-readable output on stdout (or a file);
 progress goes to stderr.
@@ -255,6 +255,36 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _ints(text: str | None):
+    return None if text is None else tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def cmd_serve(args) -> int:
+    from specjax.engine import Engine  # noqa: PLC0415
+    from specjax.serve import app as serve_app  # noqa: PLC0415
+
+    if args.adaptive and args.method == "none":  # fail before loading anything
+        raise ValueError("--adaptive needs a speculative --method, got 'none'")
+    target, tok, draft = _load(args)
+    config = serve_app.make_engine_config(
+        method=args.method, num_draft_tokens=args.k, adaptive=args.adaptive,
+        tree=_tree(args, args.method), max_slots=args.max_slots, max_model_len=args.max_model_len,
+        num_pages=args.num_pages, page_size=args.page_size,
+        batch_buckets=_ints(args.batch_buckets), token_buckets=_ints(args.token_buckets),
+        attn_impl=args.attn_impl, seed=args.seed)
+    engine = Engine(target, draft, config)
+    serve_app.compile_counter()  # count from here: /health reports warm-up compiles too
+    if args.warmup:
+        t0 = time.perf_counter()
+        n = engine.warmup()
+        _log(f"compiled {n} step variants in {time.perf_counter() - t0:.1f}s")
+    name = args.served_model_name or args.model
+    _log(f"serving {name!r} (method {args.method}, k={args.k}) on http://{args.host}:{args.port}/v1")
+    serve_app.serve(engine, tok, model_name=name, host=args.host, port=args.port,
+                    max_queue=args.max_queue, log_level=args.log_level)
+    return 0
+
+
 def cmd_bench(args) -> int:
     from specjax import bench  # noqa: PLC0415
 
@@ -408,6 +438,7 @@ EPILOG = """examples:
   specjax demo                                   # SmolLM2 + shipped head: answers, acceptance, speedup
   specjax generate --prompt "Why is the sky blue?" --stream
   specjax generate --file prompts.txt --method draft --draft checkpoints/smollm2-draft -k 3 --json
+  specjax serve --port 8000                      # OpenAI-compatible server, SmolLM2 + shipped head
   specjax bench                                  # specjax vs HF transformers, small settings
   specjax convert smollm2-135m out/smollm2 --to hf        # our weights -> transformers dir
   specjax convert checkpoints/smollm2-draft out/draft --to hf --target smollm2-135m
@@ -458,6 +489,44 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--warmup", action="store_true",
                      help="compile with a first run and time a second (clean tokens/s)")
 
+    sv = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)",
+        description="Serves the model over the continuous-batching engine: POST /v1/completions "
+                    "and /v1/chat/completions (stream or not), GET /v1/models, /health, /metrics "
+                    "(Prometheus, vLLM names), /stats. Needs the 'serve' extra.")
+    sv.add_argument("--model", default="smollm2-135m", help="target (as for generate)")
+    sv.add_argument("--tokenizer", default=None, help="tokenizer (default: same as --model)")
+    sv.add_argument("--draft", default=None, help="draft / head checkpoint (default: the best "
+                                                  "shipped one; see generate --help)")
+    sv.add_argument("--method", choices=["none", "draft", "mtp", "eagle", "eagle-tree"],
+                    default=None, help="none = plain decoding; default: the best shipped draft's")
+    sv.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=None,
+                    help="draft length k (default: 1 for MTP heads, else 4)")
+    sv.add_argument("--adaptive", action="store_true",
+                    help="adapt the draft length to the acceptance (needs engine support)")
+    sv.add_argument("--tree-depth", type=int, default=5)
+    sv.add_argument("--tree-top-k", type=int, default=4)
+    sv.add_argument("--tree-nodes", type=int, default=16)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", default=None, help="model id (default: --model)")
+    sv.add_argument("--max-slots", type=int, default=8, help="requests decoded at once")
+    sv.add_argument("--max-queue", type=int, default=64,
+                    help="requests waiting beyond the slots before HTTP 503")
+    sv.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens")
+    sv.add_argument("--num-pages", type=int, default=None, help="KV pages (default: max-slots "
+                                                                "full-length sequences)")
+    sv.add_argument("--page-size", type=int, default=16)
+    sv.add_argument("--batch-buckets", default=None, metavar="B1,B2,..",
+                    help="static batch sizes (default: powers of two up to --max-slots)")
+    sv.add_argument("--token-buckets", default="16,64", metavar="T1,T2,..",
+                    help="prefill chunk widths (default: %(default)s)")
+    sv.add_argument("--attn-impl", choices=["reference", "pallas"], default="reference")
+    sv.add_argument("--seed", type=int, default=0, help="seeds requests sent without a seed")
+    sv.add_argument("--no-warmup", dest="warmup", action="store_false",
+                    help="do not compile every step variant before serving")
+    sv.add_argument("--log-level", default="info", help="uvicorn log level")
+
     from specjax import bench  # noqa: PLC0415
     be = sub.add_parser(
         "bench", help="specjax (plain/draft/MTP/EAGLE) vs HF transformers (plain/assisted/prompt "
@@ -503,7 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"demo": cmd_demo, "generate": cmd_generate, "bench": cmd_bench,
+        return {"demo": cmd_demo, "generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench,
                 "convert": cmd_convert, "train-head": cmd_train_head,
                 "train-draft": cmd_train_draft}[args.cmd](args)
     except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as e:

@@ -226,7 +226,8 @@ class SpecConfig:
         (False, point-mass drafts). Not with "eagle-tree"; stored as False for "none".
       tree: a ``specjax.tree.TreeConfig``, present exactly when method == "eagle-tree" (default
         there: the EAGLE-2 dynamic tree ``TreeConfig()``).
-      attn_impl: attention implementation, "reference" (jnp) or "pallas" (kernels).
+      attn_impl: attention implementation, "reference" (jnp) or "pallas" (kernels); inside a
+        sharded program, a ``specjax.sharding.ShardedAttention`` wrapping one of them.
       page_size: KV-cache page size in tokens, >= 1.
       ngram_min, ngram_max: n-gram drafting: shortest / longest context suffix matched, with
         1 <= ngram_min <= ngram_max <= 64.
@@ -270,7 +271,11 @@ class SpecConfig:
         elif self.tree is not None:
             raise ValueError(f'SpecConfig.tree is only used with method="eagle-tree", got '
                              f"method={self.method!r}")
-        if self.attn_impl not in ATTN_IMPLS:
+        # A name, or an implementation object naming one (``.impl``) and wrapping the attention
+        # core (``.wrap``): specjax.sharding.ShardedAttention, which the sharded program sets.
+        named = isinstance(self.attn_impl, str)
+        impl = self.attn_impl if named else getattr(self.attn_impl, "impl", None)
+        if impl not in ATTN_IMPLS or not (named or callable(getattr(self.attn_impl, "wrap", None))):
             raise ValueError(f"SpecConfig.attn_impl must be one of {ATTN_IMPLS}, got "
                              f"{self.attn_impl!r}")
         _check_int("page_size", self.page_size, 1)

@@ -4,7 +4,7 @@ Same contract as ``specjax.model.forward`` (tokens, positions, a paged cache, pa
 cache_start, num_new, new_mask) so the fused speculative step, chain and tree verification and
 the MTP head run unchanged; ``specjax.registry`` picks the family from the static config type.
 ``softmax_topk_moe`` is Qwen3-MoE's sparse MLP (Llama attention, ``model.decoder_layer``) over the
-same expert computation (``routed_experts``).
+same grouped expert computation (``specjax.moe``).
 
 Multi-head latent attention (MLA). Per token the cache holds only the *latent*
 ``[c_kv (R) | k_rope (Dr)]`` (R = kv_lora_rank, Dr = qk_rope_head_dim), one "KV head" of width
@@ -32,9 +32,10 @@ Params layout (weights [in, out])::
 Dq = Dn + Dr; X routed experts; Fm moe_intermediate_size; Fs = Fm * n_shared_experts. A layer is
 MoE exactly when its dict has a "router" (so the MTP block needs no extra flag).
 
-MoE: every routed expert runs on every token and is weighted by the (sparse) combine weights
-[N, X] — exact, simple, and shardable over an expert mesh axis (each device computes its experts,
-one reduction combines them); a sort/ragged dispatch is the production-scale path.
+MoE: ``route`` (DeepSeek's V2 / V3 routing) gives each token's top-k experts and weights;
+``specjax.moe.moe_ffn`` runs them as a grouped dispatch (tokens sorted by expert, grouped
+matmuls), over an ``ep`` mesh axis with all-to-alls when the config's ``expert_parallel`` says
+so (``with_expert_parallel``); shared experts are a plain MLP added here.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from specjax import attention as attn_lib
 from specjax import kv_cache
+from specjax import moe as moe_lib
 from specjax.model import embed, lm_head, rms_norm
 
 
@@ -107,6 +109,9 @@ class DeepseekConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     num_mtp_layers: int = 0
     moe_micro_batches: int = 1  # 2: MoE layers run the tokens as two equal halves
+    # Routed experts split over a mesh axis (all-to-all dispatch); None: one device / the SPMD
+    # partitioner. Set by ``with_expert_parallel``; not part of the saved config.
+    expert_parallel: moe_lib.ExpertParallel | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
@@ -126,6 +131,14 @@ class DeepseekConfig:
                              f"{self.n_routed_experts} and be >= topk_group {self.topk_group}")
         if self.moe_micro_batches not in (1, 2):
             raise ValueError(f"moe_micro_batches must be 1 or 2, got {self.moe_micro_batches}")
+        ep = self.expert_parallel
+        if ep is not None:
+            if not isinstance(ep, moe_lib.ExpertParallel):
+                raise TypeError(f"expert_parallel must be a specjax.moe.ExpertParallel or None, "
+                                f"got {type(ep).__name__}")
+            if self.n_routed_experts % ep.size:
+                raise ValueError(f"expert_parallel: {ep.axis}={ep.size} must divide "
+                                 f"n_routed_experts={self.n_routed_experts}")
 
     # The Llama config's name that shared code reads (sharding's cache-pool specs).
     @property
@@ -156,7 +169,10 @@ class DeepseekConfig:
                                    first_k_dense_replace=0 if self.is_moe_layer(self.num_layers) else 1)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The saved fields (a placement, ``expert_parallel``, is not saved)."""
+        d = dataclasses.asdict(dataclasses.replace(self, expert_parallel=None))
+        del d["expert_parallel"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DeepseekConfig":
@@ -379,23 +395,11 @@ def _mlp(x, w_gate, w_up, w_down):
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
-def routed_experts(lp, x, w, idx):
-    """The routed experts' weighted sum, dense reference: every expert runs on every token and
-    the combine weights are sparse. x: [N, E]; w: [N, k] float32; idx: [N, k] int32 expert ids;
-    lp["we_gate"], lp["we_up"]: [X, E, Fm], lp["we_down"]: [X, Fm, E] -> [N, E]."""
-    num_experts = lp["we_gate"].shape[0]
-    combine = jnp.sum(jax.nn.one_hot(idx, num_experts, dtype=jnp.float32) * w[..., None],
-                      axis=1)  # [N, X]
-    gate = jnp.einsum("ne,xef->nxf", x, lp["we_gate"])
-    up = jnp.einsum("ne,xef->nxf", x, lp["we_up"])
-    return jnp.einsum("nxf,xfe,nx->ne", jax.nn.silu(gate) * up, lp["we_down"],
-                      combine.astype(x.dtype))
-
-
 def _moe_tokens(lp, cfg: DeepseekConfig, x):
-    """x: [N, E] -> [N, E]: routed experts (dense over X, sparse weights) + shared experts."""
+    """x: [N, E] -> [N, E]: routed experts (grouped dispatch, ``specjax.moe``) + shared experts."""
     w, idx = route(lp, cfg, x)
-    out = routed_experts(lp, x, w, idx)
+    out = moe_lib.moe_ffn(x, idx, w, lp["we_gate"], lp["we_up"], lp["we_down"],
+                          expert_parallel=cfg.expert_parallel)
     if "ws_gate" in lp:
         out = out + _mlp(x, lp["ws_gate"], lp["ws_up"], lp["ws_down"])
     return out
@@ -419,14 +423,14 @@ def moe(lp, cfg: DeepseekConfig, x):
 def softmax_topk_moe(lp, cfg, x):
     """Qwen3-MoE's sparse MLP (``model.decoder_layer``'s ``moe``; cfg a ``Qwen3MoeConfig``).
     x: [B, T, E] -> [B, T, E]. Softmax over all X router logits (float32), top-k, weights
-    renormalised to sum to 1 when ``norm_topk_prob``; no shared experts."""
+    renormalised to sum to 1 when ``norm_topk_prob``; no shared experts; the experts run as
+    ``specjax.moe``'s grouped dispatch."""
     b, t, e = x.shape
     flat = x.reshape(b * t, e)
-    probs = jax.nn.softmax(flat.astype(jnp.float32) @ lp["router"].astype(jnp.float32), axis=-1)
-    w, idx = jax.lax.top_k(probs, cfg.num_experts_per_tok)  # [N, k]
-    if cfg.norm_topk_prob:
-        w = w / jnp.sum(w, axis=-1, keepdims=True)
-    return routed_experts(lp, flat, w, idx.astype(jnp.int32)).reshape(b, t, e)
+    ids, w = moe_lib.softmax_topk(flat.astype(jnp.float32) @ lp["router"].astype(jnp.float32),
+                                  cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    out = moe_lib.moe_ffn(flat, ids, w, lp["we_gate"], lp["we_up"], lp["we_down"])
+    return out.reshape(b, t, e)
 
 
 # --------------------------------------------------------------------------------- the model
@@ -545,6 +549,16 @@ def make_mesh(tp: int = 1, ep: int = 1, devices=None) -> Mesh:
     if tp * ep > len(devices):
         raise ValueError(f"tp * ep = {tp * ep} exceeds the {len(devices)} available devices")
     return Mesh(np.asarray(devices[:tp * ep]).reshape(tp, ep), MESH_AXES)
+
+
+def with_expert_parallel(cfg: DeepseekConfig, mesh: Mesh) -> DeepseekConfig:
+    """The config whose MoE layers dispatch over ``mesh``'s ep axis with all-to-alls (expert
+    weights placed by ``param_specs``; their hidden dim over tp when tp divides it). Without it a
+    sharded model still runs, the SPMD partitioner gathering the expert weights."""
+    tp = mesh.shape["tp"]
+    split_f = tp > 1 and cfg.moe_intermediate_size % tp == 0  # as layer_specs places them
+    return dataclasses.replace(cfg, expert_parallel=moe_lib.ExpertParallel(
+        mesh, "ep", "tp" if split_f else None))
 
 
 def layer_specs(lp: dict, cfg: DeepseekConfig, tp: int, ep: int) -> dict:

@@ -21,7 +21,6 @@ layer whose dict has a "router" runs the ``moe`` function it is given instead of
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import math
@@ -96,13 +95,6 @@ def _linear(x, w, b=None):
     return y if b is None else y + b
 
 
-# An optional wrapper ``wrap(core, cfg) -> core`` of attention_core, installed while tracing by
-# specjax.sharding: it runs the core per data-parallel shard with shard-local page ids and pins
-# the pools' sharding. None (the default): the core runs as is.
-_ATTENTION_CORE_WRAPPER: contextvars.ContextVar = contextvars.ContextVar(
-    "specjax_attention_core_wrapper", default=None)
-
-
 def attention_core(q, k, v, k_pages, v_pages, page_table, cache_start, valid, new_mask, *,
                    attn_impl):
     """Writes the new tokens' K/V into the paged pools, then attends over prefix + new tokens.
@@ -118,6 +110,20 @@ def attention_core(q, k, v, k_pages, v_pages, page_table, cache_start, valid, ne
     o = attn_lib.paged_attention(q, k_pages, v_pages, page_table, cache_start, num_new, new_mask,
                                  impl=attn_impl)
     return o, k_pages, v_pages
+
+
+def resolve_attention_core(attn_impl, cfg: ModelConfig):
+    """The attention core to run for ``attn_impl``: a kernel name ("reference" | "pallas"), or a
+    hashable implementation object with ``.impl`` (the kernel name) and ``.wrap(core, cfg) ->
+    core`` (``specjax.sharding.ShardedAttention``: per dp shard, pools pinned). Explicit and
+    static, so the jit cache sees the choice."""
+    if isinstance(attn_impl, str):
+        return functools.partial(attention_core, attn_impl=attn_impl)
+    if not (isinstance(getattr(attn_impl, "impl", None), str)
+            and callable(getattr(attn_impl, "wrap", None))):
+        raise TypeError(f"attn_impl must be 'reference', 'pallas' or an implementation with .impl "
+                        f"and .wrap (specjax.sharding.ShardedAttention), got {attn_impl!r}")
+    return attn_impl.wrap(functools.partial(attention_core, attn_impl=attn_impl.impl), cfg)
 
 
 def decoder_layer(lp, cfg: ModelConfig, x, positions, k_pages, v_pages, page_table, cache_start,
@@ -145,10 +151,7 @@ def decoder_layer(lp, cfg: ModelConfig, x, positions, k_pages, v_pages, page_tab
             k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        core = functools.partial(attention_core, attn_impl=attn_impl)
-        wrap = _ATTENTION_CORE_WRAPPER.get()
-        if wrap is not None:
-            core = wrap(core, cfg)
+        core = resolve_attention_core(attn_impl, cfg)
         o, k_pages, v_pages = core(q, k, v, k_pages, v_pages, page_table, cache_start, valid,
                                    new_mask)
         x = x + _linear(o.reshape(b, t, h * d), lp["wo"], lp.get("bo"))
@@ -197,7 +200,7 @@ def forward(params, cfg: ModelConfig, tokens, positions, kv: kv_cache.KVCache, p
       num_new: [B] int32 valid new tokens per row (default T); padding is neither written nor
         attended to.
       new_mask: optional [B, T, T] bool attention mask among the new tokens (default causal).
-      attn_impl: "reference" or "pallas".
+      attn_impl: "reference" or "pallas", or an implementation object (``resolve_attention_core``).
       return_logits: False skips the lm_head (returns None for logits).
       inputs_embeds: optional [B, T, E] to feed instead of embedding ``tokens`` (draft heads).
       moe: the sparse-MoE MLP of MoE layers (see decoder_layer; the registry passes it).

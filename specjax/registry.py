@@ -12,7 +12,8 @@ of testing config types::
     deepseek   deepseek_v2, deepseek_v3              DeepseekConfig    MLA latent cache, MoE
 
 Qwen3-MoE shares Llama's decoder layer (``model.decoder_layer``) and runs its experts through
-``_QWEN3_MOE`` (today ``deepseek.softmax_topk_moe`` over the dense expert reference).
+``_QWEN3_MOE`` (``deepseek.softmax_topk_moe``: softmax top-k routing, ``specjax.moe``'s grouped
+dispatch).
 A component that does not support a family says so through ``require``.
 """
 
@@ -81,8 +82,7 @@ def _shard_llama(m, mesh):
 
 # --------------------------------------------------------------------------- qwen3_moe family
 
-# The sparse-MoE MLP of Qwen3-MoE layers. One name to change when specjax.moe's grouped
-# dispatch lands: ``_QWEN3_MOE = moe.<its softmax top-k block>``.
+# The sparse-MoE MLP of Qwen3-MoE layers (softmax top-k routing + specjax.moe's grouped dispatch).
 _QWEN3_MOE = deepseek.softmax_topk_moe
 
 
@@ -144,6 +144,7 @@ FAMILIES: tuple[Family, ...] = (
                          "load_model(mesh=...) / registry.shard"),)),
 )
 _BY_CLASS = {f.config_class: f for f in FAMILIES}
+FAMILIES_CLASSES = frozenset(_BY_CLASS)  # every registered config class
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 
 

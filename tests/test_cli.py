@@ -47,7 +47,8 @@ def test_bad_arguments_exit_2(tiny_dirs, capsys):
 
 
 def test_help_for_every_command(capsys):
-    for cmd in ([], ["demo"], ["generate"], ["bench"], ["convert"], ["train-head"], ["train-draft"]):
+    for cmd in ([], ["demo"], ["generate"], ["serve"], ["bench"], ["convert"], ["train-head"],
+                ["train-draft"]):
         with pytest.raises(SystemExit) as e:
             cli.main(cmd + ["--help"])
         assert e.value.code == 0

@@ -61,17 +61,21 @@ def _check(tp: int = 2, ep: int = 4) -> str:
     assert we.sharding.shard_shape(we.shape) == (8 // ep, e, 8 // tp), we.sharding
     assert sp["layers"][1]["wq_b"].sharding.shard_shape((16, 4 * 12)) == (16, 4 * 12 // tp)
     results = {}
-    for mb in (1, 2):  # single batch and the two-half micro-batched MoE
+    # The SPMD partitioner on its own (expert weights gathered), then expert parallelism with
+    # all-to-alls, single batch and the two-half micro-batched MoE.
+    for name, mb, ep_on in (("gspmd", 1, False), ("ep", 1, True), ("ep-micro", 2, True)):
         c = dataclasses.replace(cfg, moe_micro_batches=mb)
-        hc = dataclasses.replace(hcfg, layer=dataclasses.replace(block, moe_micro_batches=mb))
-        tokens, logits = run(sp, sh, c, hc)
-        assert tokens == ref_tokens, (mb, tokens, ref_tokens)
+        b = dataclasses.replace(block, moe_micro_batches=mb)
+        if ep_on:
+            c, b = deepseek.with_expert_parallel(c, mesh), deepseek.with_expert_parallel(b, mesh)
+        tokens, logits = run(sp, sh, c, dataclasses.replace(hcfg, layer=b))
+        assert tokens == ref_tokens, (name, tokens, ref_tokens)
         np.testing.assert_allclose(logits, ref_logits, atol=2e-5, rtol=1e-5)
-        results[mb] = float(np.abs(logits - ref_logits).max())
-    return f"OK tp={tp} ep={ep} max|dlogits| single={results[1]:.2e} micro={results[2]:.2e}"
+        results[name] = float(np.abs(logits - ref_logits).max())
+    return f"OK tp={tp} ep={ep} max|dlogits| " + " ".join(f"{k}={v:.2e}" for k, v in results.items())
 
 
-@pytest.mark.slow  # ~30 s CPU in a subprocess (compiles the fused loop twice on 8 fake devices)
+@pytest.mark.slow  # ~45 s CPU in a subprocess (compiles the fused loop 3x on 8 fake devices)
 def test_sharded_tp_ep_equals_one_device():
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {FAST_XLA}",

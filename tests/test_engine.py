@@ -275,6 +275,35 @@ def test_bad_requests_are_rejected_while_others_run(target, drafts):
     assert engine.stats()["request_success_total"] == len(good)
 
 
+def test_abort_frees_pages_and_leaves_the_others_exact(target, drafts):
+    """Aborting waiting, prefilling and decoding requests (and a finished / unknown id) frees
+    their slots and pages; the other requests' greedy outputs are unchanged."""
+    engine = make_engine(target, drafts, "draft")
+    start = engine.allocator.snapshot()
+    reqs = random_requests(12, seed=15)
+    handles = [engine.submit(p, RequestParams(max_tokens=m, stop_token_ids=())) for p, m in reqs]
+    engine.step()
+    engine.step()
+    victims = {handles[0].id, handles[3].id, handles[11].id}  # running, running, waiting
+    for rid in victims:
+        engine.abort(rid)
+    engine.abort(10_000)  # unknown: ignored
+    engine.step()
+    assert engine.stats()["request_finished_by_reason"]["abort"] == 3
+    engine.run()
+    engine.abort(handles[1].id)  # finished: ignored
+    engine.run()
+    for h, (p, m) in zip(handles, reqs):
+        if h.id in victims:
+            assert h.finished and h.finish_reason == "abort" and len(h.tokens) < m
+        else:
+            assert h.result() == alone(target, p, m)
+    assert engine.allocator.snapshot() == start
+    s = engine.stats()
+    assert s["request_success_total"] == 9 and s["request_finished_by_reason"]["abort"] == 3
+    assert s["num_requests_running"] == s["num_requests_waiting"] == 0
+
+
 def test_per_request_sampling_in_one_batch(target, drafts):
     """Greedy, top-k=1 (= greedy) and seeded sampled requests share batches; sampled streams
     are reproducible per seed and, with plain decoding, independent of the batch around them."""

@@ -238,6 +238,16 @@ def test_tp_must_divide_heads_and_mlp():
     with pytest.raises(ValueError, match="intermediate_size=100"):
         sharding.check_tp(_cfg(intermediate_size=100), 8)
     sharding.check_tp(smol_like, 3)
+    from specjax import deepseek  # noqa: PLC0415
+
+    ds = deepseek.DeepseekConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                 moe_intermediate_size=8, num_layers=2, num_heads=4,
+                                 kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                 v_head_dim=8)
+    with pytest.raises(ValueError, match="Llama-family.*DeepseekConfig.*deepseek.make_mesh"):
+        sharding.check_tp(ds, 2, "target")
+    with pytest.raises(ValueError, match="Llama-family"):
+        sharding.repeat_kv_heads({}, ds, 2)
 
 
 def test_plan_and_mesh_validation():
@@ -295,3 +305,33 @@ def test_collectives_marks_what_runs_inside_the_loop():
                      ("all-reduce", "f32[8,64]", 512, True),
                      ("all-gather", "f32[32,64]", 2048, True),  # via a call in the body
                      ("all-reduce", "pred[]", 1, True)}  # the loop condition
+
+
+def test_sharded_attention_is_an_explicit_static_choice():
+    """The sharded attention core is an attn_impl value (hashable, in the jit key), not a global:
+    on a 1-device plan it gives the reference logits, and no module-level switch is left."""
+    import specjax.model as model_mod  # noqa: PLC0415
+    from specjax import kv_cache  # noqa: PLC0415
+
+    assert not any(type(v).__name__ == "ContextVar" for v in vars(model_mod).values())
+    cfg = _cfg(num_layers=1)
+    params = init_params(cfg, jax.random.key(0), scale=0.3)
+    plan = sharding.ShardingPlan(sharding.make_mesh())
+    impl = sharding.ShardedAttention.for_models(plan, cfg)
+    assert hash(impl) == hash(sharding.ShardedAttention.for_models(plan, cfg))
+    tokens = np.asarray([[3, 1, 4, 1, 5]], np.int32)
+    kv, pt = kv_cache.init_contiguous(cfg, 1, 5)
+    pos = np.arange(5, dtype=np.int32)[None]
+    fwd = jax.jit(lambda p, a: model_mod.forward(p, cfg, tokens, pos, kv, pt,
+                                                 np.zeros(1, np.int32), attn_impl=a)[0],
+                  static_argnums=1)
+    np.testing.assert_allclose(np.asarray(fwd(params, impl)), np.asarray(fwd(params, "reference")),
+                               atol=1e-6)
+
+
+def test_library_uses_no_private_jax_api():
+    root = os.path.join(os.path.dirname(HERE), "specjax")
+    private = re.compile(r"^\s*(from|import)\s+jax\._src", re.M)
+    offenders = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
+                 if f.endswith(".py") and private.search(open(os.path.join(d, f)).read())]
+    assert not offenders, offenders

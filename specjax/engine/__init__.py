@@ -4,7 +4,8 @@
 * ``scheduler``: admission, chunked prefill, allocation ahead for k+1 growth, preemption.
 * ``steps``: the jitted device steps over request slots (ordinary extend / speculative decode)
   and the packed per-step metadata buffer.
-* ``engine``: ``Engine`` (submit / step / stream / background serving, sync and async schedules).
+* ``engine``: ``Engine`` (submit / step / stream / abort / background serving, sync and async
+  schedules).
 * ``metrics``: vLLM / SGLang-named metrics.
 """
 

@@ -8,6 +8,7 @@ Usage::
     h = engine.submit([1, 2, 3], RequestParams(max_tokens=32, temperature=0.7, seed=1))
     for tok in h: ...                                 # stream (drives the engine if no thread)
     engine.start()                                    # or: serve from a background thread
+    engine.abort(h.id)                                # cancel (any thread): pages freed
     ...; engine.stop()
 
 One ``step()`` = plan the next batch on the host, dispatch its device step (JAX returns at once:
@@ -54,7 +55,7 @@ from specjax.config import SpecConfig
 from specjax.engine import steps
 from specjax.engine.allocator import PageAllocator
 from specjax.engine.metrics import EngineMetrics
-from specjax.engine.scheduler import FINISHED, Request, Scheduler, bucket
+from specjax.engine.scheduler import FINISHED, WAITING, Request, Scheduler, bucket
 from specjax.kv_cache import pages_needed
 from specjax.model import Model
 
@@ -122,7 +123,7 @@ class RequestHandle:
     Iteration yields token ids as steps deliver them (a speculative step delivers several at once).
     Without a background thread, iterating or ``result()`` drives ``engine.step()`` itself.
     Attributes: ``id``, ``prompt``, ``tokens`` (delivered so far), ``finished``,
-    ``finish_reason`` ("stop" or "length").
+    ``finish_reason`` ("stop", "length" or "abort").
     """
 
     def __init__(self, engine: "Engine", req_id: int, prompt: list):
@@ -263,6 +264,8 @@ class Engine:
         self._inflight: collections.deque = collections.deque()
         self._outbox: list = []
         self._submitted: queue.SimpleQueue = queue.SimpleQueue()
+        self._aborts: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict = {}  # id -> Request, from drained submission until finished
         self._ids = itertools.count()
         self._rng = np.random.default_rng(cfg.seed)
         self._lock = threading.Lock()
@@ -305,6 +308,18 @@ class Engine:
         self._wake.set()
         return handle
 
+    def abort(self, request_id: int) -> None:
+        """Cancels a request; safe to call from any thread, a no-op once it has finished.
+
+        Applied at the start of the next ``step()``: a waiting request leaves the queue, a running
+        one gives back its slot and pages (results of its in-flight steps are discarded), and its
+        handle finishes with ``finish_reason`` "abort" (callback called with no new tokens).
+        """
+        if not _is_int(request_id):
+            raise TypeError(f"request_id must be an int, got {request_id!r}")
+        self._aborts.put(int(request_id))
+        self._wake.set()
+
     def generate(self, prompts, params: RequestParams | None = None) -> list:
         """Submits every prompt and runs until all finish; returns their token lists."""
         handles = [self.submit(p, params) for p in prompts]
@@ -320,7 +335,7 @@ class Engine:
     def has_work(self) -> bool:
         s = self.scheduler
         return bool(s.waiting or s.running or self._inflight or self._outbox
-                    or not self._submitted.empty())
+                    or not self._submitted.empty() or not self._aborts.empty())
 
     def step(self) -> bool:
         """One iteration: plan + dispatch the next step, read back an earlier one, stream.
@@ -330,6 +345,7 @@ class Engine:
         t0 = time.perf_counter()
         blocked = 0.0
         self._drain_submissions()
+        self._drain_aborts()
         plan = self.scheduler.schedule(t0)
         t_planned = time.perf_counter()
         if self.schedule == "sync":
@@ -387,6 +403,11 @@ class Engine:
         except BaseException as e:  # surfaced to waiting handles and stop()
             self._failure = e
 
+    @property
+    def failure(self) -> BaseException | None:
+        """The exception that stopped the background loop, or None."""
+        return self._failure
+
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
             raise RuntimeError("the engine loop failed") from self._failure
@@ -401,7 +422,24 @@ class Engine:
             if self.metrics.first_arrival is None:
                 self.metrics.first_arrival = req.arrival
             self.metrics.prompt_tokens_total += len(req.prompt)
+            self._live[req.id] = req
             self.scheduler.add(req)
+
+    def _drain_aborts(self) -> None:
+        while True:
+            try:
+                req = self._live.pop(self._aborts.get_nowait(), None)
+            except queue.Empty:
+                return
+            if req is None:
+                continue  # already finished (or never submitted)
+            if req.state == WAITING:
+                self.scheduler.waiting.remove(req)
+                req.state, req.finish_reason = FINISHED, "abort"
+            else:  # prefill / decode: slot and pages go back; in-flight results are discarded
+                self.scheduler.finish(req, "abort")
+            self.metrics.request_finished_by_reason["abort"] += 1
+            self._outbox.append((req, [], "abort"))
 
     def _row_dict(self, row) -> dict:
         r = row.req
@@ -484,7 +522,9 @@ class Engine:
         m.last_token_time = now
         if reason is not None:
             self.scheduler.finish(req, reason)
+            self._live.pop(req.id, None)
             m.request_success_total += 1
+            m.request_finished_by_reason[reason] += 1
             e2e = now - req.arrival
             m.observe("e2e_request_latency_seconds", e2e)
             if len(req.output) > 1:
@@ -530,11 +570,19 @@ class Engine:
             jax.block_until_ready(outs)
         return len(vs)
 
+    def occupancy(self) -> dict:
+        """Current load, readable from any thread: requests running (holding a slot) and
+        waiting (queued or not yet drained), KV pages in use and in the pool."""
+        return {"num_requests_running": len(self.scheduler.running),
+                "num_requests_waiting": len(self.scheduler.waiting) + self._submitted.qsize(),
+                "kv_pages_in_use": self.allocator.num_used,
+                "kv_pages_total": self.allocator.num_pages}
+
     def stats(self) -> dict:
         """Metrics snapshot (see specjax.engine.metrics) plus the engine's own counters."""
-        s = self.metrics.snapshot(running=len(self.scheduler.running),
-                                  waiting=len(self.scheduler.waiting) + self._submitted.qsize(),
-                                  usage=self.allocator.usage)
+        occ = self.occupancy()
+        s = self.metrics.snapshot(running=occ["num_requests_running"],
+                                  waiting=occ["num_requests_waiting"], usage=self.allocator.usage)
         s.update(method=self.config.spec.method, schedule=self.schedule, num_draft_tokens=self.k_eff,
                  engine_steps=self.num_steps, host_time_s=self.host_time_s,
                  blocked_time_s=self.blocked_time_s, num_preemptions_total=self.scheduler.num_preemptions)

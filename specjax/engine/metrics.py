@@ -18,8 +18,10 @@ Counters and histograms are plain Python (host side, updated when a step's resul
   (SGLang ``gen_throughput``: generated tokens / wall time from the first arrival to the last
   token).
 * gauges: ``num_requests_running``, ``num_requests_waiting`` (queue depth; SGLang
-  ``num_queue_reqs``), ``kv_cache_usage_perc`` (fraction of pages in use; SGLang ``token_usage``),
-  ``num_preemptions_total``, ``request_success_total``, steps by kind.
+  ``num_queue_reqs``), ``kv_cache_usage_perc`` (fraction of pages in use; SGLang ``token_usage``).
+* counters: ``request_success_total`` (finished by a stop token or the length limit),
+  ``request_finished_by_reason`` ("stop" / "length" / "abort", vLLM's ``finished_reason``
+  label), steps by kind. ``Engine.stats()`` adds ``num_preemptions_total`` (the scheduler's).
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ class EngineMetrics:
         self.spec_decode_num_accepted_tokens_per_pos = [0] * self.k
         self.generation_tokens_total = 0
         self.prompt_tokens_total = 0
-        self.num_preemptions_total = 0
         self.request_success_total = 0
+        self.request_finished_by_reason = {"stop": 0, "length": 0, "abort": 0}
         self.steps = {"extend": 0, "decode": 0, "spec": 0}
         self.hist = {name: [] for name in self.HISTOGRAMS}
         self.first_arrival = None
@@ -93,8 +95,8 @@ class EngineMetrics:
             "num_requests_running": running,
             "num_requests_waiting": waiting,
             "kv_cache_usage_perc": usage,
-            "num_preemptions_total": self.num_preemptions_total,
             "request_success_total": self.request_success_total,
+            "request_finished_by_reason": dict(self.request_finished_by_reason),
             "steps": dict(self.steps),
         }
         out["spec_accept_length"] = out["mean_accepted_length"]  # SGLang's name
