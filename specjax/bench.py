@@ -398,11 +398,13 @@ def time_forward(model, t: int, context: int, repeats: int = 10) -> float:
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from specjax import kv_cache  # noqa: PLC0415
-    from specjax.model import forward  # noqa: PLC0415
+    from specjax import kv_cache, registry  # noqa: PLC0415
 
     cfg = model.config
-    kv, pt = kv_cache.init_contiguous(cfg, 1, context + t + 16, dtype=model.dtype)
+    per_seq = kv_cache.pages_needed(context + t + 16, 16)
+    kv = registry.init_cache(cfg, per_seq, 16, model.dtype)  # the family's cache
+    pt = kv_cache.contiguous_page_table(1, per_seq)
+    forward = registry.forward
     toks = jnp.ones((1, t), jnp.int32)
     pos = context + jnp.arange(t, dtype=jnp.int32)[None]
     start = jnp.asarray([context], jnp.int32)

@@ -37,6 +37,16 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+def _max_len(d: dict) -> int:
+    """max_position_embeddings, capped at a sliding attention window when one applies (Mistral's
+    ``sliding_window``; Qwen2/3 with ``use_sliding_window``): we attend over the full prefix, which
+    equals windowed attention exactly up to the window's length."""
+    n = int(d.get("max_position_embeddings", 2048))
+    window = d.get("sliding_window")
+    uses = d.get("use_sliding_window", d.get("model_type") == "mistral")
+    return min(n, int(window)) if window and uses else n
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A Llama-family decoder.
@@ -61,6 +71,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None  # one id or several (Llama-3 style)
+    qk_norm: bool = False  # Qwen3: RMSNorm over D on each query / key head before RoPE
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -75,6 +86,10 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
 
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i is a sparse MoE layer (never, for a dense Llama-family model)."""
+        return False
+
     @property
     def group_size(self) -> int:
         """Query heads per KV head (1 = MHA, H = MQA)."""
@@ -82,8 +97,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any] | Any) -> "ModelConfig":
-        """Builds a config from a transformers Llama-family config (object or config.json dict)."""
+        """Builds a config from a transformers Llama-family config (object or config.json dict):
+        llama, mistral, qwen2, qwen3 (per-head q/k RMSNorm), smollm3."""
         d = dict(hf) if isinstance(hf, Mapping) else hf.to_dict()
+        return cls(**cls._hf_kwargs(d))
+
+    @staticmethod
+    def _hf_kwargs(d: dict) -> dict:
+        """The ModelConfig fields read from a config.json dict (subclasses add theirs)."""
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
         rope = d.get("rope_scaling") or None
@@ -104,7 +125,7 @@ class ModelConfig:
             elif kind not in (None, "default"):
                 raise ValueError(f"rope_scaling type {kind!r} is not supported (llama3 or none)")
         eos = parse_eos(d.get("eos_token_id"))
-        return cls(
+        return dict(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
@@ -118,9 +139,10 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_max_len(d),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos,
+            qk_norm=d.get("model_type") in ("qwen3", "qwen3_moe"),
         )
 
     def to_dict(self) -> dict:
@@ -137,7 +159,53 @@ class ModelConfig:
         d["eos_token_id"] = parse_eos(d.get("eos_token_id"))
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        if isinstance(d.get("mlp_only_layers"), list):
+            d["mlp_only_layers"] = tuple(d["mlp_only_layers"])
         return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3MoeConfig(ModelConfig):
+    """A Qwen3-MoE decoder: Llama-family attention (with q/k norms) and sparse MoE MLPs.
+
+    Layer i is MoE when i is not in ``mlp_only_layers`` and (i + 1) % decoder_sparse_step == 0
+    (transformers' rule); other layers keep the dense MLP of width F. Letters: X experts,
+    Fm each expert's hidden width.
+    """
+
+    num_experts: int = 8  # X
+    num_experts_per_tok: int = 2  # top-k
+    moe_intermediate_size: int = 64  # Fm
+    norm_topk_prob: bool = False  # renormalise the top-k softmax weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Qwen3MoeConfig.{name} must be a positive int, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"Qwen3MoeConfig.num_experts_per_tok ({self.num_experts_per_tok}) "
+                             f"must be <= num_experts ({self.num_experts})")
+        if not isinstance(self.mlp_only_layers, tuple):
+            raise ValueError("Qwen3MoeConfig.mlp_only_layers must be a tuple of layer indices")
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @staticmethod
+    def _hf_kwargs(d: dict) -> dict:
+        kw = ModelConfig._hf_kwargs(d)
+        kw.update(num_experts=int(d.get("num_experts") or d["num_local_experts"]),
+                  num_experts_per_tok=int(d["num_experts_per_tok"]),
+                  moe_intermediate_size=int(d["moe_intermediate_size"]),
+                  norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                  decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
+                  mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()))
+        return kw
 
 
 METHODS = ("none", "draft", "mtp", "eagle", "eagle3", "eagle-tree", "ngram")

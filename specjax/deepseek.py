@@ -2,7 +2,9 @@
 
 Same contract as ``specjax.model.forward`` (tokens, positions, a paged cache, page table,
 cache_start, num_new, new_mask) so the fused speculative step, chain and tree verification and
-the MTP head run unchanged; ``speculate`` picks the family from the static config type.
+the MTP head run unchanged; ``specjax.registry`` picks the family from the static config type.
+``softmax_topk_moe`` is Qwen3-MoE's sparse MLP (Llama attention, ``model.decoder_layer``) over the
+same grouped expert computation (``specjax.moe``).
 
 Multi-head latent attention (MLA). Per token the cache holds only the *latent*
 ``[c_kv (R) | k_rope (Dr)]`` (R = kv_lora_rank, Dr = qk_rope_head_dim), one "KV head" of width
@@ -139,14 +141,10 @@ class DeepseekConfig:
                 raise ValueError(f"expert_parallel: {ep.axis}={ep.size} must divide "
                                  f"n_routed_experts={self.n_routed_experts}")
 
-    # The Llama config's names that shared code reads (api, heads, paged-cache sizing).
+    # The Llama config's name that shared code reads (sharding's cache-pool specs).
     @property
     def num_kv_heads(self) -> int:
         return 1  # the latent is one shared "head"
-
-    @property
-    def head_dim(self) -> int:
-        return self.latent_dim
 
     @property
     def latent_dim(self) -> int:
@@ -174,6 +172,15 @@ class DeepseekConfig:
         d = dataclasses.asdict(dataclasses.replace(self, expert_parallel=None))
         del d["expert_parallel"]
         return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DeepseekConfig":
+        d = dict(d)
+        if isinstance(d.get("eos_token_id"), list):
+            d["eos_token_id"] = tuple(d["eos_token_id"])
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = YarnScaling(**d["rope_scaling"])
+        return cls(**d)
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any] | Any, **overrides) -> "DeepseekConfig":
@@ -407,6 +414,19 @@ def moe(lp, cfg: DeepseekConfig, x):
                                _moe_tokens(lp, cfg, flat[half:])], axis=0)
     else:
         out = _moe_tokens(lp, cfg, flat)
+    return out.reshape(b, t, e)
+
+
+def softmax_topk_moe(lp, cfg, x):
+    """Qwen3-MoE's sparse MLP (``model.decoder_layer``'s ``moe``; cfg a ``Qwen3MoeConfig``).
+    x: [B, T, E] -> [B, T, E]. Softmax over all X router logits (float32), top-k, weights
+    renormalised to sum to 1 when ``norm_topk_prob``; no shared experts; the experts run as
+    ``specjax.moe``'s grouped dispatch."""
+    b, t, e = x.shape
+    flat = x.reshape(b * t, e)
+    ids, w = moe_lib.softmax_topk(flat.astype(jnp.float32) @ lp["router"].astype(jnp.float32),
+                                  cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    out = moe_lib.moe_ffn(flat, ids, w, lp["we_gate"], lp["we_up"], lp["we_down"])
     return out.reshape(b, t, e)
 
 

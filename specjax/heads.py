@@ -31,13 +31,14 @@ final norm) as the next position's feature, for every kind.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from specjax import deepseek, kv_cache
+from specjax import kv_cache, registry
 from specjax.config import ModelConfig
-from specjax.model import decoder_layer, embed, init_params, rms_norm
+from specjax.model import decoder_layer, embed, rms_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +46,9 @@ class HeadConfig:
     """A draft head attached to a target (static)."""
 
     kind: str  # "mtp" | "eagle" | "eagle3"
-    layer: ModelConfig  # the head's decoder block (num_layers = 1), dims of the target
+    # the head's decoder block (num_layers = 1), dims of the target: a config of the block's
+    # family (ModelConfig; DeepseekConfig for DeepSeek-V3's MTP layer), see specjax.registry
+    layer: Any
     norms: bool = True  # enorm/hnorm/block input norm/final norm (MTP) vs none (EAGLE-1)
     fc_bias: bool = False  # EAGLE-1's fc has a bias
     # > 0: the head scores only this many tokens (params["draft_vocab"], EAGLE-3's reduced draft
@@ -135,7 +138,7 @@ def init_head(cfg: HeadConfig, key, dtype=jnp.float32, scale: float = 0.02) -> d
     """Random head params (the block initialised like a model layer, norms at 1)."""
     e = cfg.layer.hidden_size
     k1, k2 = jax.random.split(key)
-    layer = init_params(cfg.layer, k1, dtype, scale)["layers"][0]
+    layer = registry.init_params(cfg.layer, k1, dtype, scale)["layers"][0]
     if cfg.kind == "eagle3":  # fc, a midlayer attending over [2E] inputs, its own lm_head
         lc = cfg.layer
         hd, hkvd = lc.num_heads * lc.head_dim, lc.num_kv_heads * lc.head_dim
@@ -248,15 +251,11 @@ def head_forward(head_params, cfg: HeadConfig, target_params, tokens, features, 
     if cfg.fc_bias:
         x = x + head_params["eh_bias"]
     lp = head_params["layer"]
-    if isinstance(lcfg, deepseek.DeepseekConfig):  # DeepSeek-V3 MTP: an MLA + MoE/dense block
-        h, pool = deepseek.decoder_layer(lp, lcfg, x, positions, kv.k[0], page_table, cache_start,
-                                         valid, new_mask, attn_impl)
-        return h, kv_cache.KVCache(k=(pool,), v=kv.v)
     if "attn_norm" not in lp:  # EAGLE-1 drops the block's input norm
         lp = dict(lp, attn_norm=None)
-    h, k0, v0 = decoder_layer(lp, lcfg, x, positions, kv.k[0], kv.v[0], page_table, cache_start,
-                              valid, new_mask, attn_impl)
-    return h, kv_cache.KVCache(k=(k0,), v=(v0,))
+    # the block's family (Llama, or DeepSeek-V3 MTP's MLA + MoE/dense) runs it
+    return registry.block(lp, lcfg, x, positions, kv, page_table, cache_start, valid, new_mask,
+                          attn_impl)
 
 
 def _columns(w, vocab):

@@ -5,13 +5,18 @@ Params layout (weights stored [in, out]; Q/K columns in the HF rotate-half RoPE 
     {"embed": [V, E],
      "layers": [{"attn_norm": [E], "wq": [E, H*D], "wk": [E, Hkv*D], "wv": [E, Hkv*D],
                  "wo": [H*D, E], ("bq", "bk", "bv": biases if attention_bias, "bo"),
+                 ("q_norm", "k_norm": [D] if qk_norm, Qwen3),
                  "mlp_norm": [E], "w_gate": [E, F], "w_up": [E, F], "w_down": [F, E],
-                 ("b_gate", "b_up", "b_down" if mlp_bias)}, ...],   # L dicts
+                 ("b_gate", "b_up", "b_down" if mlp_bias)
+                 or, in a sparse MoE layer (Qwen3-MoE): "router": [E, X],
+                 "we_gate", "we_up": [X, E, Fm], "we_down": [X, Fm, E]}, ...],   # L dicts
      "norm": [E],
      "lm_head": [E, V]}            # absent when embeddings are tied
 
 Layers are a Python list (unrolled under jit): on CPU a ``lax.scan`` over stacked layers was
-~45% slower. The same decoder layer serves targets, draft LLMs and the EAGLE/MTP heads.
+~45% slower. The same decoder layer serves targets, draft LLMs and the EAGLE/MTP heads, and the
+Llama-attention families of ``specjax.registry`` (llama, mistral, qwen2, qwen3, qwen3_moe): a
+layer whose dict has a "router" runs the ``moe`` function it is given instead of the dense MLP.
 """
 
 from __future__ import annotations
@@ -122,7 +127,7 @@ def resolve_attention_core(attn_impl, cfg: ModelConfig):
 
 
 def decoder_layer(lp, cfg: ModelConfig, x, positions, k_pages, v_pages, page_table, cache_start,
-                  valid, new_mask, attn_impl, attn_in=None):
+                  valid, new_mask, attn_impl, moe=None, attn_in=None):
     """One pre-norm Llama block; writes this layer's K/V for the new tokens.
 
     Args:
@@ -132,6 +137,7 @@ def decoder_layer(lp, cfg: ModelConfig, x, positions, k_pages, v_pages, page_tab
         (EAGLE-3's midlayer attends over concat(embedding, hidden), E' = 2E; q/k/v are [E', .]).
       k_pages, v_pages: [Hkv, P, S, D]; page_table: [B, Pmax]; cache_start: [B];
       valid: [B, T] bool (padding tokens are not written); new_mask: [B, T, T] bool or None.
+      moe: ``moe(lp, cfg, y [B, T, E]) -> [B, T, E]`` for layers with a "router" (sparse MoE).
     Returns:
       (x [B, T, E], k_pages, v_pages).
     """
@@ -143,12 +149,21 @@ def decoder_layer(lp, cfg: ModelConfig, x, positions, k_pages, v_pages, page_tab
         q = _linear(y, lp["wq"], lp.get("bq")).reshape(b, t, h, d)
         k = _linear(y, lp["wk"], lp.get("bk")).reshape(b, t, hkv, d)
         v = _linear(y, lp["wv"], lp.get("bv")).reshape(b, t, hkv, d)
+        if "q_norm" in lp:  # Qwen3: RMSNorm over D per head, before RoPE
+            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         core = resolve_attention_core(attn_impl, cfg)
         o, k_pages, v_pages = core(q, k, v, k_pages, v_pages, page_table, cache_start, valid,
                                    new_mask)
         x = x + _linear(o.reshape(b, t, h * d), lp["wo"], lp.get("bo"))
+    if "router" in lp:
+        if moe is None:
+            raise ValueError("a sparse MoE layer needs its family's moe function "
+                             "(run it through specjax.registry.forward)")
+        with jax.named_scope("moe"):
+            return x + moe(lp, cfg, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)), k_pages, v_pages
     with jax.named_scope("mlp"):
         y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
         gate = _linear(y, lp["w_gate"], lp.get("b_gate"))
@@ -171,7 +186,7 @@ def embed(params, tokens):
 
 def forward(params, cfg: ModelConfig, tokens, positions, kv: kv_cache.KVCache, page_table,
             cache_start, num_new=None, new_mask=None, *, attn_impl: str = "reference",
-            return_logits: bool = True, inputs_embeds=None, aux_layers: tuple = ()):
+            return_logits: bool = True, inputs_embeds=None, aux_layers: tuple = (), moe=None):
     """Runs the decoder over T new tokens per sequence against a paged cache.
 
     One function for prefill (cache_start = 0, T = prompt length), decode (T = 1) and
@@ -194,6 +209,7 @@ def forward(params, cfg: ModelConfig, tokens, positions, kv: kv_cache.KVCache, p
       aux_layers: static tuple of layer indices i in [0, L]: also return the hidden states
         *entering* layer i (transformers' ``hidden_states[i]``; 0 = the embeddings, L = the final
         pre-norm output), concatenated in the given order (EAGLE-3 features, same pass).
+      moe: the sparse-MoE MLP of MoE layers (see decoder_layer; the registry passes it).
     Returns:
       (logits [B, T, V] float32 or None, hidden [B, T, E] final pre-norm hidden states, kv), and
       with ``aux_layers`` a fourth item aux [B, T, len(aux_layers) * E].
@@ -211,7 +227,7 @@ def forward(params, cfg: ModelConfig, tokens, positions, kv: kv_cache.KVCache, p
             taps[i] = x
         with jax.named_scope(f"layer_{i}"):
             x, ks[i], vs[i] = decoder_layer(lp, cfg, x, positions, ks[i], vs[i], page_table,
-                                            cache_start, valid, new_mask, attn_impl)
+                                            cache_start, valid, new_mask, attn_impl, moe)
     taps[len(params["layers"])] = x
     kv = kv_cache.KVCache(k=tuple(ks), v=tuple(vs))
     logits = lm_head(params, cfg, x) if return_logits else None
@@ -233,19 +249,25 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02):
     """Random params (normal * scale, norms at 1) for tests and fresh heads."""
     e, f, h, hkv, d, v = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
                           cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
-    keys = iter(jax.random.split(key, 8 * cfg.num_layers + 4))
+    keys = iter(jax.random.split(key, 10 * cfg.num_layers + 4))
 
     def w(*shape):
         return (scale * jax.random.normal(next(keys), shape)).astype(dtype)
 
     layers = []
-    for _ in range(cfg.num_layers):
+    for i in range(cfg.num_layers):
         lp = {"attn_norm": jnp.ones((e,), dtype), "wq": w(e, h * d), "wk": w(e, hkv * d),
-              "wv": w(e, hkv * d), "wo": w(h * d, e), "mlp_norm": jnp.ones((e,), dtype),
-              "w_gate": w(e, f), "w_up": w(e, f), "w_down": w(f, e)}
+              "wv": w(e, hkv * d), "wo": w(h * d, e), "mlp_norm": jnp.ones((e,), dtype)}
+        if cfg.is_moe_layer(i):
+            x, fm = cfg.num_experts, cfg.moe_intermediate_size
+            lp.update(router=w(e, x), we_gate=w(x, e, fm), we_up=w(x, e, fm), we_down=w(x, fm, e))
+        else:
+            lp.update(w_gate=w(e, f), w_up=w(e, f), w_down=w(f, e))
+        if cfg.qk_norm:
+            lp.update(q_norm=jnp.ones((d,), dtype), k_norm=jnp.ones((d,), dtype))
         if cfg.attention_bias:
             lp.update(bq=w(h * d), bk=w(hkv * d), bv=w(hkv * d), bo=w(e))
-        if cfg.mlp_bias:
+        if cfg.mlp_bias and "w_gate" in lp:
             lp.update(b_gate=w(f), b_up=w(f), b_down=w(e))
         layers.append(lp)
     params = {"embed": w(v, e), "layers": layers, "norm": jnp.ones((e,), dtype)}
@@ -261,7 +283,10 @@ def check_params(params, cfg: ModelConfig) -> None:
     want = {"attn_norm": (e,), "wq": (e, h * d), "wk": (e, hkv * d), "wv": (e, hkv * d),
             "wo": (h * d, e), "mlp_norm": (e,), "w_gate": (e, f), "w_up": (e, f), "w_down": (f, e),
             "bq": (h * d,), "bk": (hkv * d,), "bv": (hkv * d,), "bo": (e,),
-            "b_gate": (f,), "b_up": (f,), "b_down": (e,)}
+            "b_gate": (f,), "b_up": (f,), "b_down": (e,), "q_norm": (d,), "k_norm": (d,)}
+    if any(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+        x, fm = cfg.num_experts, cfg.moe_intermediate_size
+        want.update(router=(e, x), we_gate=(x, e, fm), we_up=(x, e, fm), we_down=(x, fm, e))
     missing = [k for k in ("embed", "layers", "norm") + (() if cfg.tie_word_embeddings else ("lm_head",))
                if k not in params]
     if missing:

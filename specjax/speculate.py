@@ -61,18 +61,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax import acceptance, adaptive, deepseek, heads, kv_cache, ngram, sampling, tree
+from specjax import acceptance, adaptive, heads, kv_cache, ngram, registry, sampling, tree
 from specjax.config import SpecConfig
-from specjax.model import forward as _llama_forward
 from specjax.model import lm_head
 from specjax.sampling import step_keys as _step_keys
 
 
-def forward(params, cfg, *args, **kw):
-    """The target family's forward, chosen by the static config type (Llama or DeepSeek MLA+MoE;
-    same contract, see specjax.model.forward)."""
-    fn = deepseek.forward if isinstance(cfg, deepseek.DeepseekConfig) else _llama_forward
-    return fn(params, cfg, *args, **kw)
+# The model family's forward and paged cache, chosen by the static config type (specjax.registry).
+forward = registry.forward
+init_cache = registry.init_cache
 
 
 def target_forward(params, cfg, *args, aux_layers: tuple = (), **kw):
@@ -86,12 +83,6 @@ def target_forward(params, cfg, *args, aux_layers: tuple = (), **kw):
 def aux_layers_for(lc, draft_cfg) -> tuple:
     """The target layers a head's features need (EAGLE-3), else ()."""
     return draft_cfg.aux_layers if lc.uses_head else ()
-
-
-def init_cache(cfg, num_pages, page_size, dtype):
-    """The family's paged cache: Llama K/V pools or DeepSeek latent pools."""
-    init = deepseek.init_cache if isinstance(cfg, deepseek.DeepseekConfig) else kv_cache.init_cache
-    return init(cfg, num_pages, page_size, dtype)
 
 
 # The methods this decode loop implements (config.METHODS lists every name SpecConfig accepts).

@@ -49,7 +49,7 @@ import warnings
 import jax
 import numpy as np
 
-from specjax import request
+from specjax import registry, request
 from specjax.api import check_draft
 from specjax.config import SpecConfig
 from specjax.engine import steps
@@ -206,6 +206,7 @@ class Engine:
         cfg = dataclasses.replace(config or EngineConfig(), **overrides)
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax Model, got {type(target).__name__}")
+        registry.require(target.config, "engine")  # an unsupported family fails here, not in a step
         if not isinstance(cfg.spec, SpecConfig):
             raise TypeError(f"EngineConfig.spec must be a specjax.SpecConfig, got "
                             f"{type(cfg.spec).__name__}")

@@ -43,9 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import kv_cache, ngram, sampling, speculate
+from specjax import kv_cache, ngram, registry, sampling, speculate
 from specjax.config import SpecConfig
 from specjax.model import lm_head
+from specjax.registry import forward
 
 (COL_KIND, COL_SLOT, COL_START, COL_NUM_NEW, COL_FINAL, COL_NEXT, COL_SEED, COL_TEMP, COL_TOP_K,
  COL_TOP_P) = range(10)
@@ -91,12 +92,12 @@ def init_state(target_cfg, draft_cfg, sc: StepConfig, num_pages: int, dtype) -> 
     """Zeroed pools of ``num_pages`` pages for target and draft, and S+1 empty slots."""
     lc = sc.lc
     s1 = sc.num_slots + 1
-    target_kv = kv_cache.init_cache(target_cfg, num_pages, lc.page_size, dtype)
+    target_kv = registry.init_cache(target_cfg, num_pages, lc.page_size, dtype)
     draft_kv = draft_logits = head_hidden = None
     if lc.method == "draft":
-        draft_kv = kv_cache.init_cache(draft_cfg, num_pages, lc.page_size, dtype)
+        draft_kv = registry.init_cache(draft_cfg, num_pages, lc.page_size, dtype)
     elif lc.uses_head:
-        draft_kv = kv_cache.init_cache(draft_cfg.layer, num_pages, lc.page_size, dtype)
+        draft_kv = registry.init_cache(draft_cfg.layer, num_pages, lc.page_size, dtype)
         head_hidden = jnp.zeros((s1, draft_cfg.layer.hidden_size), dtype)
     if lc.method not in ("none", "ngram"):
         draft_logits = jnp.zeros((s1, target_cfg.vocab_size), jnp.float32)

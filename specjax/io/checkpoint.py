@@ -8,8 +8,6 @@ import os
 import jax
 import numpy as np
 
-from specjax.config import ModelConfig
-
 CONFIG_FILE = "specjax_config.json"
 PARAMS_DIR = "params"
 
@@ -18,7 +16,7 @@ def is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, CONFIG_FILE))
 
 
-def save_checkpoint(path: str, params, config: ModelConfig, kind: str = "model", extra=None) -> None:
+def save_checkpoint(path: str, params, config, kind: str = "model", extra=None) -> None:
     """Saves params with orbax and the config as JSON. kind: "model" or a draft-head kind."""
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
@@ -28,8 +26,11 @@ def save_checkpoint(path: str, params, config: ModelConfig, kind: str = "model",
     params = jax.tree.map(np.asarray, params)
     with ocp.PyTreeCheckpointer() as ckptr:
         ckptr.save(params_dir, params, force=True)
+    from specjax import registry  # noqa: PLC0415
+
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        json.dump({"kind": kind, "config": config.to_dict(), "extra": extra or {}}, f, indent=2)
+        json.dump({"kind": kind, "family": registry.family_of(config).name,
+                   "config": config.to_dict(), "extra": extra or {}}, f, indent=2)
 
 
 def checkpoint_kind(path: str) -> str:
@@ -56,7 +57,11 @@ def load_checkpoint(path: str):
 
 
 def load_model_checkpoint(path: str):
+    from specjax import registry  # noqa: PLC0415
+
     kind, cfg, params, _ = load_checkpoint(path)
     if kind != "model":
         raise ValueError(f"{path!r} holds a {kind!r}, not a model; use sj.load_draft")
-    return ModelConfig.from_dict(cfg), params
+    with open(os.path.join(os.path.abspath(path), CONFIG_FILE)) as f:
+        family = json.load(f).get("family", "llama")  # checkpoints before the registry: llama
+    return registry.family_named(family).config_class.from_dict(cfg), params

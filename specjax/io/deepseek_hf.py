@@ -23,6 +23,7 @@ Every tensor's shape is checked against ``deepseek.init_params`` / ``init_layer`
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Mapping
 
@@ -34,7 +35,7 @@ from specjax import deepseek
 from specjax.deepseek import DeepseekConfig
 from specjax.heads import Head, HeadConfig
 
-__all__ = ["params_from_hf", "mtp_head_from_hf", "model_from_hf"]
+__all__ = ["params_from_hf", "mtp_head_from_hf", "model_from_hf", "load_hf_dir", "load_mtp_dir"]
 
 # HF name inside a decoder layer -> (our key, transpose?)
 _LAYER_TABLE = {
@@ -68,13 +69,42 @@ def _np(x):
     return np.asarray(x, np.float32)
 
 
+def load_hf_dir(path: str, dtype=jnp.float32):
+    """(DeepseekConfig, params) from a transformers DeepSeek-V2/V3 directory (config.json +
+    *.safetensors, sharded too), read tensor by tensor (``io.hf.SafetensorsDir``)."""
+    from specjax.io.hf import SafetensorsDir, read_config  # noqa: PLC0415
+
+    cfg = DeepseekConfig.from_hf_config(read_config(path))
+    return cfg, params_from_hf(SafetensorsDir(path), cfg, dtype)
+
+
+def load_mtp_dir(path: str, target, index: int = 0, dtype=None) -> Head:
+    """DeepSeek-V3's ``index``-th MTP module from the target's own HF directory, as an MTP Head
+    for ``target`` (a specjax Model of that directory)."""
+    from specjax.io.hf import SafetensorsDir, read_config  # noqa: PLC0415
+
+    cfg = DeepseekConfig.from_hf_config(read_config(path))
+    if cfg.num_mtp_layers <= index:
+        raise ValueError(f"{path!r} has {cfg.num_mtp_layers} MTP layers (num_nextn_predict_layers); "
+                         f"asked for MTP layer {index}")
+    base = dataclasses.replace(cfg, num_mtp_layers=0)
+    if dataclasses.replace(target.config, num_mtp_layers=0, moe_micro_batches=1) != base:
+        raise ValueError(f"{path!r}'s config does not match the target's: load the MTP layer from "
+                         "the target's own directory")
+    return mtp_head_from_hf(SafetensorsDir(path), target.config, target.params, index,
+                            dtype or target.dtype)
+
+
 def _layer(sd: Mapping, prefix: str, want: dict, dtype) -> dict:
     """One block's params from names under ``prefix`` (e.g. "model.layers.3.")."""
     lp, experts = {}, {}
-    for name, value in sd.items():
+    for name in sd:  # names first: a lazy state dict (io.hf.SafetensorsDir) reads only these
         if not name.startswith(prefix):
             continue
         rest = name[len(prefix):]
+        if rest in _MTP_EXTRA or rest.endswith("rotary_emb.inv_freq"):
+            continue
+        value = sd[name]
         if rest in _LAYER_TABLE:
             ours, transpose = _LAYER_TABLE[rest]
             arr = _np(value)
@@ -88,8 +118,6 @@ def _layer(sd: Mapping, prefix: str, want: dict, dtype) -> dict:
             lp["we_down"] = _np(value).transpose(0, 2, 1)
         elif (m := _EXPERT.fullmatch(rest)) is not None:
             experts[(int(m.group(1)), m.group(2))] = _np(value).T
-        elif rest in _MTP_EXTRA or rest.endswith("rotary_emb.inv_freq"):
-            continue
         else:
             raise ValueError(f"unexpected tensor {name!r}")
     if experts:

@@ -36,8 +36,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from specjax import model, speculate
+from specjax import model, registry, speculate
 from specjax.config import ModelConfig
+from specjax.heads import HeadConfig
 
 AXES = ("dp", "tp")
 PLACEMENTS = ("replicated", "sharded", "leader")
@@ -109,8 +110,9 @@ def as_plan(mesh_or_plan) -> ShardingPlan:
 # ------------------------------------------------------------------------------- partition specs
 
 def check_family(cfg, what: str = "model") -> None:
-    """Raises ValueError for a model this (dp, tp) layout cannot shard: Llama-family only."""
-    if not isinstance(cfg, ModelConfig):
+    """Raises ValueError for a model this (dp, tp) layout cannot shard: the registry's Llama
+    family only (qwen3_moe's experts and DeepSeek have no rules here)."""
+    if type(cfg) not in registry.FAMILIES_CLASSES or registry.family_of(cfg).name != "llama":
         raise ValueError(
             f"specjax.sharding's (dp, tp) mesh shards Llama-family models (llama, mistral, qwen2, "
             f"...); the {what} has a {type(cfg).__name__}. DeepSeek models shard on "
@@ -141,7 +143,7 @@ def layer_specs(lp: dict, cfg: ModelConfig, tp: int) -> dict:
     """PartitionSpecs of one decoder layer's params (see the module docstring). wk / wv stay
     replicated when tp does not divide Hkv: repeat_kv_heads first to split them."""
     kv = _axis_if(cfg.num_kv_heads % tp == 0)
-    rules = {"attn_norm": P(), "mlp_norm": P(),
+    rules = {"attn_norm": P(), "mlp_norm": P(), "q_norm": P(), "k_norm": P(),  # [D] per head
              "wq": P(None, "tp"), "bq": P("tp"), "wk": P(None, kv), "bk": P(kv),
              "wv": P(None, kv), "bv": P(kv), "wo": P("tp", None), "bo": P(),
              "w_gate": P(None, "tp"), "b_gate": P("tp"), "w_up": P(None, "tp"), "b_up": P("tp"),
@@ -238,7 +240,7 @@ def prepare(params, cfg, tp):
 
 def is_head(draft_cfg) -> bool:
     """A head config (MTP / EAGLE: its block is ``.layer``), not a Model config."""
-    return draft_cfg is not None and not isinstance(draft_cfg, ModelConfig)
+    return isinstance(draft_cfg, HeadConfig)
 
 
 def draft_specs(draft_params, draft_cfg, plan: ShardingPlan):
