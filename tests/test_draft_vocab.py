@@ -12,8 +12,13 @@ from specjax.heads import HeadConfig, set_draft_vocab
 from specjax.io.heads_io import save_head
 from specjax.train import data as data_lib
 from specjax.tree import TreeConfig
-from tests.test_heads import _head, dist_target, plain, target  # noqa: F401 (fixtures)
+from tests.test_heads import _head, dist_target, target  # noqa: F401 (fixtures)
 from tests.test_speculative import ALPHA, N_ROWS, PROMPT, PROMPTS, V, _chi2_pvalue, _exact_joint
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return sj.generate(target, PROMPTS, max_new_tokens=30, eos_token_id=[]).tokens
 
 
 def _subset(target, size, seed=0):

@@ -10,6 +10,7 @@ dominates; both sides of every comparison are compiled the same way).
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
