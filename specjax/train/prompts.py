@@ -23,6 +23,7 @@ same (domain-interleaved) order, so a corpus can be generated in resumable shard
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import random
 import sysconfig
@@ -123,10 +124,11 @@ _MUTATIONS = ((" <= ", " < "), (" >= ", " > "), (" < ", " <= "), (" > ", " >= ")
               (" is None", " is not None"), (" is not None", " is None"), (" not in ", " in "))
 
 
-def stdlib_functions(max_lines: int = 30, min_lines: int = 4) -> list[dict]:
+@functools.lru_cache(maxsize=4)
+def stdlib_functions(max_lines: int = 30, min_lines: int = 4) -> tuple[dict, ...]:
     """Top-level functions and methods with docstrings from the CPython standard library.
 
-    Returns dicts {source: "module.qualname", name, sig, doc (first paragraph), src}, sorted by
+    Returns (cached) dicts {source: "module.qualname", name, sig, doc (first paragraph), src}, sorted by
     source. Private helpers (leading underscore), tests and very long functions are skipped.
     """
     root = sysconfig.get_paths()["stdlib"]
@@ -160,7 +162,7 @@ def stdlib_functions(max_lines: int = 30, min_lines: int = 4) -> list[dict]:
                             "sig": f"{node.name}({args})", "doc": doc.split("\n\n")[0].strip(),
                             "src": src})
     out.sort(key=lambda r: r["source"])
-    return out
+    return tuple(out)
 
 
 def _walk_functions(tree):
