@@ -406,10 +406,10 @@ def test_sampled_eagle3_follows_the_target_distribution(dist_head):
 def test_biased_acceptance_fails_with_an_eagle3_head(dist_head, monkeypatch):
     """Negative control: the same test rejects a subtly wrong residual."""
     from specjax import acceptance
-    from tests.test_speculative import _biased_accept_chain
+    from tests.test_speculative import _biased_residual
 
     target, head = dist_head
-    monkeypatch.setattr(acceptance, "accept_chain", _biased_accept_chain)
+    monkeypatch.setattr(acceptance, "accept_chain", _biased_residual)
     jax.clear_caches()
     try:
         cells, _ = _first3(target, head, draft_sampling=True)
