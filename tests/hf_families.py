@@ -30,13 +30,14 @@ FAMILIES = {
 }
 
 
-def perturb(module, seed):
-    """Random norms and router bias (transformers initialises them to 1 / 0)."""
+def perturb(module, seed, scale=0.2):
+    """Random norms (N(0, scale^2) added) and router bias (transformers initialises them to
+    1 / 0), so every weight matters."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if "norm" in name:
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
+                p.add_(scale * torch.randn(p.shape, generator=g))
         for name, b in module.named_buffers():
             if "e_score_correction_bias" in name:
                 b.copy_(0.05 * torch.randn(b.shape, generator=g))

@@ -20,6 +20,7 @@ import specjax as sj
 from specjax import deepseek, heads, kv_cache
 from specjax.io import deepseek_hf
 from specjax.model import Model
+from tests.hf_families import perturb
 from tests.test_speculative import ALPHA, N_ROWS, PROMPT, PROMPTS, V, _chi2_pvalue, _exact_joint
 
 ATOL = {jnp.float32: 2e-4}  # fp32 logits vs torch (different summation orders)
@@ -36,15 +37,7 @@ V3_KW = dict(hidden_size=48, intermediate_size=64, moe_intermediate_size=16, num
 
 
 def _perturb(module, seed):
-    """Random norms and router bias (HF initialises them to 1 / 0), so every weight matters."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-        for name, b in module.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+    return perturb(module, seed, scale=0.1)
 
 
 def build_v3(seed=0, vocab=96, **kw):
