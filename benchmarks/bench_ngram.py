@@ -46,7 +46,7 @@ def _case(target, name, method, draft, k, n_new, adaptive=False, desc="-"):
                           num_draft_tokens=k, temperature=0.0, eos_token_id=[], adaptive=adaptive)
         s = out.stats
         extra = {"row_steps": s["row_steps"],
-                 "accepted": (s["mean_accepted_length"] - 1) * s["row_steps"]}
+                 "step_tokens": s["generated_tokens"] - len(prompts)}
         if "k_histogram" in s:
             extra["k_histogram"] = s["k_histogram"]
         return out.tokens, extra
@@ -93,7 +93,7 @@ def tiny_setup():
 
 
 def smollm2_setup(args):
-    from specjax.cli import best_shipped, repo_checkpoints  # noqa: PLC0415
+    from specjax import shipped  # noqa: PLC0415
     from specjax.train.corpora import chat_prompts  # noqa: PLC0415
 
     target = sj.load_model("smollm2-135m")
@@ -103,11 +103,7 @@ def smollm2_setup(args):
     reuse = [tok.apply_chat_template([{"role": "user", "content": p["text"]}])
              for p in data[:args.num_prompts]]
     chat = [tok.apply_chat_template(m) for m in chat_prompts("held_out", limit=args.num_prompts)]
-    name = best_shipped("mtp") or best_shipped("eagle")
-    head = None
-    if name:
-        head = (sj.load_draft(os.path.join(repo_checkpoints(), name), target=target),
-                f"checkpoints/{name}")
+    head = shipped.load_best(target, "mtp") or shipped.load_best(target, "eagle")
     return target, reuse, chat, head
 
 

@@ -313,7 +313,7 @@ def measure(cases: list[Case], prompts: list, batch: int, repeats: int = 3, wait
                     with Timer() as t:
                         tk, ex = c.run(call)
                     wall += t.wall
-                    foreign.append(t.foreign)
+                    foreign.append((t.foreign, t.wall))
                     toks += tk
                     extra.append(ex)
                     bar.update(1)
@@ -321,8 +321,11 @@ def measure(cases: list[Case], prompts: list, batch: int, repeats: int = 3, wait
                     res[c.name]["warmup_s"] = wall
                     continue
                 res[c.name]["wall_s"].append(wall)
-                fc = [f for f in foreign if f is not None]
-                res[c.name]["foreign_cpu"].append(max(fc) if fc else None)
+                # The round's foreign share, wall-weighted over its calls (a single short call's
+                # share is dominated by the 10 ms granularity of /proc/stat).
+                fc = [(f, w) for f, w in foreign if f is not None]
+                res[c.name]["foreign_cpu"].append(
+                    sum(f * w for f, w in fc) / max(sum(w for _, w in fc), 1e-9) if fc else None)
                 res[c.name]["tokens"] = toks
                 res[c.name]["extra"] = extra
         for c in todo:
