@@ -43,9 +43,13 @@ that long (a draft LLM then re-runs over every emitted token, since it never saw
 heads re-run over the verified span anyway).
 
 ``adaptive`` picks the step's k in {0..K} on device (specjax.adaptive) and runs that compiled
-variant through lax.switch; k = 0 is a plain step that keeps the drafter current (a draft LLM /
-head advanced over the new token without its lm_head; the carried logits are recomputed when
-the row next speculates, ``logits_stale``).
+variant through lax.switch; k = 0 is a plain step that leaves the drafter behind (lazy upkeep): the
+new token (and, for heads, the target feature the head will consume with it) goes into a small
+per-row window (``lag_tokens`` / ``lag_feats``, W = ``LAG_WINDOW`` slots indexed by position mod W)
+and ``lag`` counts the positions the drafter has not seen. ``catch_up`` runs the drafter once over
+the whole backlog (one W-token forward instead of one forward per plain step) when the row next
+speculates, or when the window fills (then the newest position stays pending, so no lm_head is
+computed for logits that would be stale again a step later).
 
 Drafting is a function per method (``_DRAFTERS``: tokens, optional q, the drafter's cache);
 ``_chain_step`` verifies and accepts whatever it proposes; ``_plain_step`` / ``_commit`` are
@@ -70,6 +74,9 @@ from specjax.sampling import step_keys as _step_keys
 # The model family's forward and paged cache, chosen by the static config type (specjax.registry).
 forward = registry.forward
 init_cache = registry.init_cache
+
+
+LAG_WINDOW = 16  # W: plain steps a drafter may fall behind before it is caught up
 
 
 def target_forward(params, cfg, *args, aux_layers: tuple = (), **kw):
@@ -118,8 +125,10 @@ class DecodeState:
     acc_obs: jax.Array | None = None  # [K] float32 decayed reached counts per draft position
     cost: jax.Array | None = None  # [K+1] float32 cost of a k-step relative to a plain step
     k_hist: jax.Array | None = None  # [K+1] int32 steps that chose each k
-    logits_stale: jax.Array | None = None  # [B] bool draft_logits must be recomputed (after k=0)
-    draft_hidden: jax.Array | None = None  # [B, E] draft LLM's last hidden state (adaptive "draft")
+    # lazy drafter upkeep over plain steps (adaptive, methods with a drafter; module docstring):
+    lag: jax.Array | None = None  # [B] int32 pending drafter positions (draft_logits stale if > 0)
+    lag_tokens: jax.Array | None = None  # [B, W] int32 token of pending position p at p % W
+    lag_feats: jax.Array | None = None  # [B, W, E] head feature f_p of pending position p (heads)
 
 
 @jax.tree_util.register_dataclass
@@ -230,13 +239,14 @@ def extend_draft(target_params, target_cfg, draft_params, draft_cfg, tokens, hid
 
 def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_lens, rp: RowParams,
             seed, lc: SpecConfig, num_pages_per_seq: int, out_len: int, kv_dtype=jnp.float32,
-            cost=None):
+            cost=None, lag_window: int = LAG_WINDOW):
     """Fills both caches over the prompts and samples the first token.
 
     Args:
       tokens: [B, Tp] int32 right-padded prompts; prompt_lens: [B] int32 (>= 1).
       seed: [] int32; row b's stream is fold_in(key(seed), b).
       cost: [K+1] float32 relative cost of a k-step (adaptive only; specjax.adaptive).
+      lag_window: static W of the lazy drafter upkeep (adaptive only).
     Returns:
       the initial DecodeState (the first generated token is already in out_tokens).
     """
@@ -282,9 +292,10 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
             raise ValueError("adaptive speculation needs the cost model (cost=[K+1] array)")
         extra = {}
         if lc.method != "ngram":
-            extra["logits_stale"] = jnp.zeros((b,), bool)
-        if lc.method == "draft":
-            extra["draft_hidden"] = jnp.zeros((b, draft_cfg.hidden_size), kv_dtype)
+            extra.update(lag=jnp.zeros((b,), jnp.int32),
+                         lag_tokens=jnp.zeros((b, lag_window), jnp.int32))
+        if lc.uses_head:
+            extra["lag_feats"] = jnp.zeros((b, lag_window, draft_cfg.layer.hidden_size), kv_dtype)
         state = dataclasses.replace(
             state, acc_hits=jnp.zeros((kk,), jnp.float32), acc_obs=jnp.zeros((kk,), jnp.float32),
             cost=jnp.asarray(cost, jnp.float32).reshape(kk + 1), k_hist=jnp.zeros((kk + 1,), jnp.int32),
@@ -352,18 +363,11 @@ class Drafts:
 def _draft_model(target_params, target_cfg, draft_params, draft_cfg, state, rp, lc) -> Drafts:
     """Drafting with a draft LLM or head (methods draft/mtp/eagle), optionally hybrid."""
     b = state.lengths.shape[0]
-    draft_logits = state.draft_logits
-    if state.logits_stale is not None:  # the last step was plain: refresh the carried logits
-        def fresh():
-            if lc.uses_head:
-                return heads.head_logits(draft_params, draft_cfg, target_params, target_cfg,
-                                         state.head_hidden)
-            return lm_head(draft_params, draft_cfg, state.draft_hidden)
-        draft_logits = lax.cond(
-            jnp.any(state.logits_stale),
-            lambda: jnp.where(state.logits_stale[:, None], fresh(), state.draft_logits),
-            lambda: state.draft_logits)
-        state = dataclasses.replace(state, draft_logits=draft_logits)
+    if state.lag is not None:  # plain steps left the drafter behind: catch it up first
+        state = lax.cond(jnp.any((state.lag > 0) & ~state.done),
+                         lambda s: _catch_up_state(target_params, target_cfg, draft_params,
+                                                   draft_cfg, s, lc, keep=0),
+                         lambda s: s, state)
     kv, tokens, probs = _draft_rollout(target_params, target_cfg, draft_params, draft_cfg, state,
                                        rp, lc)
     from_ngram = None
@@ -416,10 +420,63 @@ def _commit(state: DecodeState, rp: RowParams, a, y, emitted, *, drafted, **upda
     return dataclasses.replace(state, **new)
 
 
+def catch_up(target_params, target_cfg, draft_params, draft_cfg, draft_kv, page_table, end, num,
+             lag_tokens, lag_feats, lc: SpecConfig):
+    """Runs the draft LLM / head over pending positions ``end - num .. end - 1`` (one forward of
+    W = lag_tokens.shape[1] slots), writing their K/V.
+
+    Draft LLM: position p consumes x_p; head: position p consumes (x_{p+1}, f_p). Both are read
+    from the window at slot p % W.
+
+    Args:
+      end: [B] int32 one past the last pending position; num: [B] int32 in [0, W] positions to
+        process (0 = row untouched).
+    Returns:
+      (draft_kv, hidden [B, E] the drafter's output at end - 1, valid where num > 0).
+    """
+    w = lag_tokens.shape[1]
+    start = end - num
+    pos = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]  # [B, W] (beyond num: unused)
+    slots = pos % w
+    tokens = jnp.take_along_axis(lag_tokens, slots, axis=1)
+    if lc.uses_head:
+        feats = jnp.take_along_axis(lag_feats, slots[:, :, None], axis=1)
+        hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params, tokens, feats,
+                                          pos, draft_kv, page_table, start, num,
+                                          attn_impl=lc.attn_impl)
+    else:
+        _, hh, draft_kv = forward(draft_params, draft_cfg, tokens, pos, draft_kv, page_table, start,
+                                  num, attn_impl=lc.attn_impl, return_logits=False)
+    last = jnp.take_along_axis(hh, jnp.maximum(num - 1, 0)[:, None, None], axis=1)[:, 0]
+    return draft_kv, last
+
+
+def _catch_up_state(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
+                    lc: SpecConfig, keep: int) -> DecodeState:
+    """Catches active rows' drafters up to all but ``keep`` pending positions. keep = 0 also
+    refreshes the carried draft logits (and a head's carried output); keep = 1 leaves the
+    newest position pending, so the logits stay stale and no lm_head is computed."""
+    active = ~state.done
+    end = state.lengths - (1 if lc.uses_head else 0) - keep  # pending ..lengths-1 (heads: -2)
+    num = jnp.where(active, jnp.maximum(state.lag - keep, 0), 0)
+    draft_kv, last = catch_up(target_params, target_cfg, draft_params, draft_cfg, state.draft_kv,
+                              state.page_table, end, num, state.lag_tokens, state.lag_feats, lc)
+    updates = {"draft_kv": draft_kv, "lag": state.lag - num}
+    if keep == 0:
+        fresh = num > 0
+        if lc.uses_head:
+            logits = heads.head_logits(draft_params, draft_cfg, target_params, target_cfg, last)
+            updates["head_hidden"] = jnp.where(fresh[:, None], last, state.head_hidden)
+        else:
+            logits = lm_head(draft_params, draft_cfg, last)
+        updates["draft_logits"] = jnp.where(fresh[:, None], logits, state.draft_logits)
+    return dataclasses.replace(state, **updates)
+
+
 def _plain_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
                 rp: RowParams, lc: SpecConfig):
-    """A one-token target step; a draft LLM / head that must stay current (adaptive k = 0) is
-    advanced over the new token without its lm_head (the carried logits are refreshed lazily).
+    """A one-token target step. A drafter that must follow (adaptive k = 0) is not run: the new
+    token (and a head's feature) goes into the lag window, caught up later (module docstring).
 
     Returns (state, a [B] zeros, drafted [B] zeros).
     """
@@ -430,25 +487,31 @@ def _plain_step(target_params, target_cfg, draft_params, draft_cfg, state: Decod
     logits, hidden, target_kv, aux = target_forward(
         target_params, target_cfg, state.last_token[:, None], (n - 1)[:, None], state.target_kv,
         state.page_table, n - 1, attn_impl=lc.attn_impl,
-        aux_layers=aux_layers_for(lc, draft_cfg) if state.logits_stale is not None else ())
+        aux_layers=aux_layers_for(lc, draft_cfg) if state.lag is not None else ())
     y = _sample(acc_keys, logits[:, 0], rp)
     zeros = jnp.zeros((b,), jnp.int32)
     updates = {"target_kv": target_kv}
-    if state.logits_stale is not None:
-        if lc.uses_head:  # head position n-1 consumes (x_n = y, f_{n-1})
+    if state.lag is not None:
+        # The drafter's new pending position p: head position n-1 consumes (x_n = y, f_{n-1});
+        # the draft LLM's position n consumes x_n = y.
+        rows = jnp.arange(b)
+        slot = ((n - 1) if lc.uses_head else n) % state.lag_tokens.shape[1]
+        updates["lag_tokens"] = state.lag_tokens.at[rows, slot].set(
+            jnp.where(active, y, state.lag_tokens[rows, slot]))
+        if lc.uses_head:
             feats = heads.head_features(draft_params, draft_cfg, target_params, target_cfg, hidden,
-                                        aux)
-            hh, draft_kv = heads.head_forward(draft_params, draft_cfg, target_params,
-                                              y[:, None], feats, (n - 1)[:, None], state.draft_kv,
-                                              state.page_table, n - 1, attn_impl=lc.attn_impl)
-            updates["head_hidden"] = jnp.where(active[:, None], hh[:, 0], state.head_hidden)
-        else:  # the draft LLM writes x_n = y at position n
-            _, dh, draft_kv = forward(draft_params, draft_cfg, y[:, None], n[:, None], state.draft_kv,
-                                      state.page_table, n, attn_impl=lc.attn_impl,
-                                      return_logits=False)
-            updates["draft_hidden"] = jnp.where(active[:, None], dh[:, 0], state.draft_hidden)
-        updates.update(draft_kv=draft_kv, logits_stale=state.logits_stale | active)
-    return _commit(state, rp, zeros, y, y[:, None], drafted=zeros, **updates), zeros, zeros
+                                        aux)[:, 0]  # [B, E]
+            updates["lag_feats"] = state.lag_feats.at[rows, slot].set(
+                jnp.where(active[:, None], feats.astype(state.lag_feats.dtype),
+                          state.lag_feats[rows, slot]))
+        updates["lag"] = state.lag + active.astype(jnp.int32)
+    new = _commit(state, rp, zeros, y, y[:, None], drafted=zeros, **updates)
+    if state.lag is not None:  # a full window: catch up all but the newest position
+        new = lax.cond(jnp.any((new.lag >= new.lag_tokens.shape[1]) & ~new.done),
+                       lambda s: _catch_up_state(target_params, target_cfg, draft_params,
+                                                 draft_cfg, s, lc, keep=1),
+                       lambda s: s, new)
+    return new, zeros, zeros
 
 
 def _chain_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
@@ -504,13 +567,11 @@ def _chain_step(target_params, target_cfg, draft_params, draft_cfg, state: Decod
                                   return_logits=False)
         dh_last = jnp.take_along_axis(dh, pick[:, None, None], axis=1)[:, 0]  # [B, E]
         new_logits = lm_head(draft_params, draft_cfg, dh_last)
-        if state.draft_hidden is not None:
-            updates["draft_hidden"] = jnp.where(active[:, None], dh_last, state.draft_hidden)
     if lc.method != "ngram":
         updates.update(draft_kv=draft_kv,
                        draft_logits=jnp.where(active[:, None], new_logits, state.draft_logits))
-        if state.logits_stale is not None:
-            updates["logits_stale"] = state.logits_stale & ~active
+        if state.lag is not None:  # drafting caught the drafter up (_draft_model): level again
+            updates["lag"] = jnp.where(active, 0, state.lag)
     drafted = jnp.where(dr.proposing, k, 0).astype(jnp.int32)
     return _commit(state, rp, a, y, emitted, drafted=drafted, **updates), a, drafted
 
@@ -530,8 +591,10 @@ def _fixed_step(target_params, target_cfg, draft_params, draft_cfg, state: Decod
 
 
 def _adaptive_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
-                   rp: RowParams, lc: SpecConfig) -> DecodeState:
-    """Chooses k in {0..K} on device (specjax.adaptive) and runs that compiled variant."""
+                   rp: RowParams, lc: SpecConfig):
+    """Chooses k in {0..K} on device (specjax.adaptive) and runs that compiled variant.
+
+    Returns (state, a [B], drafted [B])."""
     kmax = lc.k_eff
     k = adaptive.choose_k(state.acc_hits, state.acc_obs, state.cost)
     # Branch k: the static k-variant (branch 0: a plain step that keeps the drafter current).
@@ -544,19 +607,28 @@ def _adaptive_step(target_params, target_cfg, draft_params, draft_cfg, state: De
     k_used = jnp.max(jnp.where(~state.done, drafted, 0))  # 0 when n-gram fell back to plain
     hits, obs = adaptive.update(state.acc_hits, state.acc_obs, a, k_used,
                                 ~state.done & (drafted > 0))
-    return dataclasses.replace(new, acc_hits=hits, acc_obs=obs,
-                               k_hist=state.k_hist.at[k].add(1))
+    return (dataclasses.replace(new, acc_hits=hits, acc_obs=obs, k_hist=state.k_hist.at[k].add(1)),
+            a, drafted)
+
+
+def spec_step_counted(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
+                      rp: RowParams, lc: SpecConfig):
+    """One fused speculative (or plain) decoding step for the whole batch.
+
+    Returns (state, drafted [B] int32 drafts each row proposed: 0 for rows without an n-gram
+    match, for adaptive k = 0 steps and for finished rows; the tree's depth bound for trees).
+    """
+    args = (target_params, target_cfg, draft_params, draft_cfg, state, rp, lc)
+    if lc.method == "eagle-tree":
+        return _tree_step(*args), jnp.where(state.done, 0, lc.k_eff).astype(jnp.int32)
+    new, _, drafted = (_adaptive_step if lc.adaptive else _fixed_step)(*args)
+    return new, jnp.where(state.done, 0, drafted).astype(jnp.int32)
 
 
 def spec_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
               rp: RowParams, lc: SpecConfig) -> DecodeState:
     """One fused speculative (or plain) decoding step for the whole batch."""
-    args = (target_params, target_cfg, draft_params, draft_cfg, state, rp, lc)
-    if lc.method == "eagle-tree":
-        return _tree_step(*args)
-    if lc.adaptive:
-        return _adaptive_step(*args)
-    return _fixed_step(*args)[0]
+    return spec_step_counted(target_params, target_cfg, draft_params, draft_cfg, state, rp, lc)[0]
 
 
 def _tree_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,

@@ -3,6 +3,8 @@ plain-Python reference, greedy losslessness (ragged rows, EOS at different steps
 draft state after hybrid / plain steps, exact sampled distributions, the no-match fallback and
 bad input."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,6 @@ import pytest
 import specjax as sj
 from specjax import acceptance, adaptive, cost_model, ngram, speculate
 from specjax.heads import Head, HeadConfig, init_head
-from specjax.model import lm_head
 from tests.test_speculative import (ALPHA, N_ROWS, PROMPT, PROMPTS, V, _biased_residual,
                                     _chi2_pvalue, _eos_for_staggered_stops, _exact_joint)
 
@@ -120,9 +121,46 @@ def test_adaptive_mtp_greedy_lossless(tiny_pair, plain, fixed_costs):
     assert sum(c > 0 for c in out.stats["k_histogram"]) >= 2
 
 
+@pytest.mark.parametrize("where", ["loop", "engine"])
+def test_adaptive_self_draft_accepts_everything_after_plain_streaks(tiny_pair, fixed_costs,
+                                                                    monkeypatch, where):
+    """The target as its own draft LLM accepts every draft it proposes, even right after plain
+    (k = 0) streaks longer than the lazy-upkeep window: the catch-up leaves the drafter exactly
+    where eager upkeep would (a wrong catch-up shows as rejected drafts, not as wrong tokens)."""
+    target, _ = tiny_pair
+    # A fixed schedule instead of the estimate: 20 plain steps, then K, repeated (> LAG_WINDOW).
+    monkeypatch.setattr(adaptive, "choose_k", lambda hits, obs, cost: jnp.where(
+        jnp.round(jnp.sum(obs) * 1e3).astype(jnp.int32) % 7 == 0, K, 0).astype(jnp.int32))
+    prompts = PROMPTS[:2]
+    want = sj.generate(target, prompts, max_new_tokens=60, eos_token_id=[]).tokens
+    if where == "loop":
+        out = sj.generate(target, prompts, max_new_tokens=60, draft=target, method="draft",
+                          num_draft_tokens=K, adaptive=True, eos_token_id=[], ngram_max=5)
+        assert out.tokens == want
+        hist, s = out.stats["k_histogram"], out.stats
+        assert hist[0] > speculate.LAG_WINDOW and hist[K] > 0, hist
+        drafted = s["drafted_tokens"]
+        accepted = (s["mean_accepted_length"] - 1) * s["row_steps"]
+    else:
+        from specjax.engine import Engine, EngineConfig, RequestParams
+        engine = Engine(target, target, EngineConfig(
+            sj.SpecConfig(method="draft", num_draft_tokens=K, page_size=4, adaptive=True,
+                          ngram_max=5),
+            max_slots=2, batch_buckets=(2,), token_buckets=(8,), max_model_len=128))
+        handles = [engine.submit(p, RequestParams(max_tokens=60, stop_token_ids=())) for p in prompts]
+        engine.run()
+        assert [h.result() for h in handles] == want
+        s = engine.stats()
+        assert s["k_histogram"][0] > speculate.LAG_WINDOW and s["k_histogram"][K] > 0
+        drafted, accepted = s["spec_decode_num_draft_tokens"], s["spec_decode_num_accepted_tokens"]
+    assert drafted > 0
+    # Every proposed draft accepted, except those cut by max_new_tokens at each row's end.
+    assert accepted >= drafted - K * len(prompts), (accepted, drafted)
+
+
 # ----------------------------------------------------------------- carried drafter state
 
-def _run_steps(target, draft, lc, steps, cost=None):
+def _run_steps(target, draft, lc, steps, cost=None, lag_window=speculate.LAG_WINDOW):
     """Prefill + `steps` fused steps (rows never finish); returns the state."""
     b, tp = len(PROMPTS), 32
     toks = np.zeros((b, tp), np.int32)
@@ -131,7 +169,8 @@ def _run_steps(target, draft, lc, steps, cost=None):
     rp = speculate.RowParams(temperature=jnp.zeros(b), top_k=jnp.zeros(b, jnp.int32),
                              top_p=jnp.ones(b), max_new=jnp.full((b,), 10_000, jnp.int32),
                              eos_ids=jnp.asarray([-1], jnp.int32))
-    prefill = jax.jit(speculate.prefill, static_argnums=(1, 3, 8, 9, 10))
+    prefill = jax.jit(functools.partial(speculate.prefill, lag_window=lag_window),
+                      static_argnums=(1, 3, 8, 9, 10))
     state = prefill(target.params, target.config, draft.params, draft.config, jnp.asarray(toks),
                     jnp.asarray([len(p) for p in PROMPTS], jnp.int32), rp, jnp.asarray(0), lc, 12,
                     128, cost=cost)
@@ -141,30 +180,41 @@ def _run_steps(target, draft, lc, steps, cost=None):
     return state
 
 
-@pytest.mark.parametrize("mode", ["hybrid", "adaptive"])
+@pytest.mark.parametrize("mode", ["hybrid", "adaptive", "adaptive-window", "adaptive-mtp-window"])
 def test_carried_draft_state_equals_teacher_forcing(tiny_pair, mode):
     """After hybrid steps (n-gram rows' accepted drafts written by the catch-up) or adaptive
-    plain steps (the draft kept current without its lm_head), the carried draft logits equal a
-    fresh teacher-forced draft pass over the committed tokens, and the history buffer holds them."""
+    plain steps (the drafter left behind, then caught up lazily; "-window": a 3-slot window that
+    fills, so the in-loop catch-up of all but the newest position runs too), the carried draft
+    logits equal a fresh teacher-forced draft (or head) pass over the committed tokens, and the
+    history buffer holds them."""
     target, draft = tiny_pair
     if mode == "hybrid":
         lc = sj.SpecConfig(method="draft", num_draft_tokens=K, hybrid_min=1)
-        state, cost = _run_steps(target, draft, lc, 8), None
+        state = _run_steps(target, draft, lc, 8)
     else:
-        lc = sj.SpecConfig(method="draft", num_draft_tokens=K, adaptive=True)
+        method = "mtp" if "mtp" in mode else "draft"
+        draft = _mtp_head(target) if method == "mtp" else draft
+        lc = sj.SpecConfig(method=method, num_draft_tokens=K, adaptive=True)
         cost = jnp.asarray([1.0, 1.2, 1.3, 1.4])  # k=3 first, then plain steps and probes
-        state = _run_steps(target, draft, lc, 8, cost)
+        window = 3 if "window" in mode else speculate.LAG_WINDOW
+        state = _run_steps(target, draft, lc, 12 if "window" in mode else 8, cost, window)
         assert int(state.k_hist[0]) > 0 and int(state.k_hist[1:].sum()) > 0
-    logits = state.draft_logits
-    if mode == "adaptive":
-        fresh = lm_head(draft.params, draft.config, state.draft_hidden)
-        logits = jnp.where(state.logits_stale[:, None], fresh, logits)
+        if "window" in mode:
+            assert int(state.k_hist[0]) > window  # a plain streak longer than the window
+        # The last steps were plain: the drafter lags; the lazy catch-up must restore it.
+        assert int(jnp.max(state.lag)) > 0
+        assert int(jnp.max(state.lag)) <= window
+        state = speculate._catch_up_state(target.params, target.config, draft.params, draft.config,
+                                          state, lc, keep=0)
+        assert int(jnp.max(state.lag)) == 0
     for i, p in enumerate(PROMPTS):
         seq = p + np.asarray(state.out_tokens[i, :int(state.num_out[i])]).tolist()
         assert len(seq) == int(state.lengths[i])
         if state.history is not None:
             assert np.asarray(state.history[i, :len(seq)]).tolist() == seq
-        np.testing.assert_allclose(logits[i], sj.logits(draft, seq)[-1], rtol=1e-4, atol=1e-4)
+        want = (sj.draft_logits(target, draft, seq)[-1] if lc.uses_head
+                else sj.logits(draft, seq)[-1])
+        np.testing.assert_allclose(state.draft_logits[i], want, rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------- the no-match fallback

@@ -517,7 +517,7 @@ class Engine:
                 count = int(host[1][i])
                 kept = self._append(req, host[0][i, :count].tolist(), now)
                 # count only what reached the request (its stop / max_tokens may cut drafts)
-                self.metrics.observe_spec(min(count - 1, kept), kept)
+                self.metrics.observe_spec(min(count - 1, kept), kept, int(host[2][i]))
             elif row.commit:
                 self._append(req, [int(host[0][i])], now)
         return now - t

@@ -4,7 +4,8 @@ Counters and histograms are plain Python (host side, updated when a step's resul
 ``EngineMetrics.snapshot()`` returns one flat dict; the names follow vLLM's Prometheus metrics
 (``vllm:`` prefix dropped) with SGLang's aliases where they differ:
 
-* speculation: ``spec_decode_num_drafts`` (row-steps that speculated), ``spec_decode_num_draft_tokens``,
+* speculation: ``spec_decode_num_drafts`` (row-steps that proposed drafts: an n-gram row
+  without a match or an adaptive plain step proposes none), ``spec_decode_num_draft_tokens``,
   ``spec_decode_num_accepted_tokens``, ``spec_decode_num_accepted_tokens_per_pos``,
   ``spec_decode_num_emitted_tokens``, all counted from the tokens a request actually received
   (accepted drafts cut by its stop or max_tokens do not count); derived ``acceptance_rate`` =
@@ -66,12 +67,17 @@ class EngineMetrics:
         self.first_arrival = None
         self.last_token_time = None
 
-    def observe_spec(self, num_accepted: int, num_emitted: int) -> None:
-        """One speculative row-step that emitted ``num_emitted`` tokens, ``num_accepted`` of them
-        drafts (accepted drafts cut by a stop or max_tokens are not counted)."""
-        self.spec_decode_num_drafts += 1
-        self.spec_decode_num_draft_tokens += self.k
+    def observe_spec(self, num_accepted: int, num_emitted: int, num_drafted: int | None = None) -> None:
+        """One speculative row-step that proposed ``num_drafted`` drafts (default k; 0 for an
+        n-gram row without a match or an adaptive plain step: not counted as a draft) and emitted
+        ``num_emitted`` tokens, ``num_accepted`` of them drafts (accepted drafts cut by a stop or
+        max_tokens are not counted)."""
+        num_drafted = self.k if num_drafted is None else num_drafted
+        if num_drafted == 0:
+            return
         self.spec_decode_num_emitted_tokens += num_emitted
+        self.spec_decode_num_drafts += 1
+        self.spec_decode_num_draft_tokens += num_drafted
         self.spec_decode_num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             self.spec_decode_num_accepted_tokens_per_pos[i] += 1

@@ -84,8 +84,9 @@ class SlotState:
     acc_hits: jax.Array | None = None  # [K] float32
     acc_obs: jax.Array | None = None  # [K] float32
     k_hist: jax.Array | None = None  # [K+1] int32
-    logits_stale: jax.Array | None = None  # [S+1] bool
-    draft_hidden: jax.Array | None = None  # [S+1, E] (adaptive method "draft")
+    lag: jax.Array | None = None  # [S+1] int32 pending drafter positions (lazy upkeep)
+    lag_tokens: jax.Array | None = None  # [S+1, W] int32
+    lag_feats: jax.Array | None = None  # [S+1, W, E] (heads)
 
 
 def init_state(target_cfg, draft_cfg, sc: StepConfig, num_pages: int, dtype) -> SlotState:
@@ -108,10 +109,11 @@ def init_state(target_cfg, draft_cfg, sc: StepConfig, num_pages: int, dtype) -> 
         kk = lc.k_eff
         extra.update(acc_hits=jnp.zeros((kk,), jnp.float32), acc_obs=jnp.zeros((kk,), jnp.float32),
                      k_hist=jnp.zeros((kk + 1,), jnp.int32))
+        w = speculate.LAG_WINDOW
         if lc.method != "ngram":
-            extra["logits_stale"] = jnp.zeros((s1,), bool)
-        if lc.method == "draft":
-            extra["draft_hidden"] = jnp.zeros((s1, draft_cfg.hidden_size), dtype)
+            extra.update(lag=jnp.zeros((s1,), jnp.int32), lag_tokens=jnp.zeros((s1, w), jnp.int32))
+        if lc.uses_head:
+            extra["lag_feats"] = jnp.zeros((s1, w, draft_cfg.layer.hidden_size), dtype)
     return SlotState(target_kv=target_kv, draft_kv=draft_kv, lengths=jnp.ones((s1,), jnp.int32),
                      last_token=jnp.zeros((s1,), jnp.int32), draft_logits=draft_logits,
                      head_hidden=head_hidden, **extra)
@@ -225,10 +227,22 @@ def _extend(target_params, draft_params, state: SlotState, meta, *, target_cfg, 
     after = jnp.where(commit, y, cols["next"])  # the token following the processed span
 
     # The draft / head over the same span plus the token after it (for decode rows the draft
-    # rewrites x_{n-1} with identical K/V and writes y).
+    # rewrites x_{n-1} with identical K/V and writes y). Decode rows whose drafter adaptive plain
+    # steps left behind are caught up first (speculate.catch_up).
+    draft_kv = state.draft_kv
+    if state.lag is not None:
+        num = jnp.where(is_dec & cols["valid"], state.lag[slot], 0)
+        end = n_dev - (1 if lc.uses_head else 0)
+        draft_kv = jax.lax.cond(
+            jnp.any(num > 0),
+            lambda kv: speculate.catch_up(target_params, target_cfg, draft_params, draft_cfg, kv,
+                                          page_table, end, num, state.lag_tokens[slot],
+                                          None if state.lag_feats is None else state.lag_feats[slot],
+                                          lc)[0],
+            lambda kv: kv, draft_kv)
     draft_kv, draft_logits, head_hidden = speculate.extend_draft(
         target_params, target_cfg, draft_params, draft_cfg, tokens, hidden, start, num_new, after,
-        state.draft_kv, page_table, lc, aux)
+        draft_kv, page_table, lc, aux)
 
     state = dataclasses.replace(state, target_kv=target_kv, draft_kv=draft_kv)
     if state.history is not None:
@@ -238,9 +252,9 @@ def _extend(target_params, draft_params, state: SlotState, meta, *, target_cfg, 
         rows = ngram.write(state.history[slot], span, start)
         state = _scatter(state, slot, cols["valid"], history=rows)
     updates = dict(lengths=pos_new + 1, last_token=y)
-    if draft_logits is not None:  # fresh carried logits (draft_hidden is only read when stale)
+    if draft_logits is not None:  # fresh carried logits: the drafter is level again
         updates["draft_logits"] = draft_logits
-        updates["logits_stale"] = jnp.zeros_like(commit)
+        updates["lag"] = jnp.zeros_like(slot)
     if head_hidden is not None:
         updates["head_hidden"] = head_hidden
     return _scatter(state, slot, commit, **updates), y
@@ -252,8 +266,9 @@ def _spec_decode(target_params, draft_params, state: SlotState, meta, cost=None,
 
     cost: [K+1] float32 relative k-step costs at this batch bucket (adaptive k only).
 
-    Returns (state, emitted [B, K+1] int32, counts [B] int32): row b emitted
-    ``emitted[b, :counts[b]]`` (accepted drafts then the residual / bonus token).
+    Returns (state, emitted [B, K+1] int32, counts [B] int32, drafted [B] int32): row b emitted
+    ``emitted[b, :counts[b]]`` (accepted drafts then the residual / bonus token) after proposing
+    ``drafted[b]`` drafts (0: no n-gram match or an adaptive plain step).
     """
     lc = sc.lc
     cols, page_table, _ = _unpack(meta, sc)
@@ -272,17 +287,17 @@ def _spec_decode(target_params, draft_params, state: SlotState, meta, cost=None,
         done=~valid, step=jnp.zeros((), jnp.int32), row_keys=_row_keys(cols["seed"], n),
         accepted_per_pos=jnp.zeros((lc.k_eff,), jnp.int32), row_steps=jnp.zeros((), jnp.int32),
         history=rows(state.history), acc_hits=state.acc_hits, acc_obs=state.acc_obs,
-        cost=cost, k_hist=state.k_hist, logits_stale=rows(state.logits_stale),
-        draft_hidden=rows(state.draft_hidden))
-    ds = speculate.spec_step(target_params, target_cfg, draft_params, draft_cfg, ds,
-                             _row_params(cols, k1), lc)
+        cost=cost, k_hist=state.k_hist, lag=rows(state.lag), lag_tokens=rows(state.lag_tokens),
+        lag_feats=rows(state.lag_feats))
+    ds, drafted = speculate.spec_step_counted(target_params, target_cfg, draft_params, draft_cfg,
+                                              ds, _row_params(cols, k1), lc)
     state = dataclasses.replace(state, target_kv=ds.target_kv, draft_kv=ds.draft_kv,
                                 acc_hits=ds.acc_hits, acc_obs=ds.acc_obs, k_hist=ds.k_hist)
     updates = dict(lengths=ds.lengths, last_token=ds.last_token, draft_logits=ds.draft_logits,
-                   head_hidden=ds.head_hidden, history=ds.history, logits_stale=ds.logits_stale,
-                   draft_hidden=ds.draft_hidden)
+                   head_hidden=ds.head_hidden, history=ds.history, lag=ds.lag,
+                   lag_tokens=ds.lag_tokens, lag_feats=ds.lag_feats)
     updates = {name: v for name, v in updates.items() if v is not None}
-    return _scatter(state, slot, valid, **updates), ds.out_tokens, ds.num_out
+    return _scatter(state, slot, valid, **updates), ds.out_tokens, ds.num_out, drafted
 
 
 _STATIC = ("target_cfg", "draft_cfg", "sc")
