@@ -138,7 +138,8 @@ def test_family_tables_cover_the_registry():
     assert set(io_families.LOAD_HF) == names
     assert set(io_families.READ_MTP) == {"deepseek"}
     assert set(sharding_families.SHARD) == names - {"qwen3_moe"}  # qwen3_moe: unsupported
-    with pytest.raises(ValueError, match=r"load_hf table: unknown families \[\], no entry for \['qwen3_moe'\]"):
+    with pytest.raises(ValueError, match=r"load_hf table: unknown families \[\], "
+                                         r"no entry for \['qwen3_moe'\]"):
         registry.check_table({"llama": None, "deepseek": None}, "load_hf")
     with pytest.raises(ValueError, match=r"unknown families \['gpt2'\]"):
         registry.check_table({"gpt2": None}, "read_mtp", every_family=False)
