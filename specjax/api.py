@@ -42,7 +42,7 @@ def load_model(path: str, dtype=jnp.float32, mesh=None) -> Model:
     Raises:
       ValueError: an unsupported ``model_type`` (the message names the supported ones).
     """
-    from specjax.io import checkpoint, hf  # noqa: PLC0415
+    from specjax.io import checkpoint, families  # noqa: PLC0415
 
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
@@ -57,9 +57,9 @@ def load_model(path: str, dtype=jnp.float32, mesh=None) -> Model:
     elif isinstance(path, str) and checkpoint.is_checkpoint(path):
         cfg, params = checkpoint.load_model_checkpoint(path)
     elif isinstance(path, str) and os.path.isfile(os.path.join(path, "config.json")):
-        cfg, params = registry.load_hf_dir(path, dtype)  # checked and cast per tensor
+        cfg, params = families.load_hf_dir(path, dtype)  # checked and cast per tensor
         if mesh is not None:
-            return registry.shard(Model(params=params, config=cfg, source=path), mesh)
+            return _shard(Model(params=params, config=cfg, source=path), mesh)
         return Model(params=registry.to_device(params), config=cfg, source=path)
     else:
         raise ValueError(
@@ -67,7 +67,14 @@ def load_model(path: str, dtype=jnp.float32, mesh=None) -> Model:
             "transformers directory with config.json, or a specjax checkpoint")
     registry.check_params(params, cfg)
     model = _as_model(cfg, params, dtype, path)
-    return model if mesh is None else registry.shard(model, mesh)
+    return model if mesh is None else _shard(model, mesh)
+
+
+def _shard(model: Model, mesh) -> Model:
+    """``model`` placed on ``mesh`` by its family's rules (``specjax.sharding.families``)."""
+    from specjax.sharding import families  # noqa: PLC0415
+
+    return families.shard(model, mesh)
 
 
 def load_draft(path, target: Model, dtype=None):
@@ -94,7 +101,7 @@ def load_draft(path, target: Model, dtype=None):
     dtype = dtype or target.dtype
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
-    from specjax.io import heads_io  # noqa: PLC0415
+    from specjax.io import families, heads_io  # noqa: PLC0415
 
     if isinstance(path, (Model, Head)):
         draft = dataclasses.replace(path, params=cast_floats(path.params, dtype))
@@ -118,7 +125,7 @@ def load_draft(path, target: Model, dtype=None):
         else:
             draft = load_model(path, dtype)
     elif isinstance(path, str) and os.path.isfile(os.path.join(path, "config.json")) \
-            and (mtp := registry.read_mtp(path, target)) is not None:
+            and (mtp := families.read_mtp(path, target)) is not None:
         draft = Head(params=cast_floats(mtp.params, dtype), config=mtp.config)
     else:
         draft = load_model(path, dtype)

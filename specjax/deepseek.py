@@ -54,7 +54,7 @@ from specjax import attention as attn_lib
 from specjax.config import eos_ids, parse_eos
 from specjax import kv_cache
 from specjax import moe as moe_lib
-from specjax.model import check_aux_layers, embed, lm_head, rms_norm
+from specjax.model import decoder_stack, rms_norm, valid_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -477,26 +477,17 @@ def forward(params, cfg: DeepseekConfig, tokens, positions, kv: kv_cache.KVCache
       (logits [B, T, V] float32 or None, hidden [B, T, E] final pre-norm hidden states, kv), and
       with ``aux_layers`` the hidden states entering those layers [B, T, len(aux_layers) * E].
     """
-    b, t = positions.shape
-    if num_new is None:
-        num_new = jnp.full((b,), t, jnp.int32)
-    valid = jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]
-    x = embed(params, tokens) if inputs_embeds is None else inputs_embeds
-    check_aux_layers(aux_layers, cfg.num_layers)
-    pools = list(kv.k)
-    taps = {}  # EAGLE-3 features: hidden states entering the aux layers
-    for i, lp in enumerate(params["layers"]):
-        if i in aux_layers:
-            taps[i] = x
-        with jax.named_scope(f"layer_{i}"):
-            x, pools[i] = decoder_layer(lp, cfg, x, positions, pools[i], page_table, cache_start,
-                                        valid, new_mask, attn_impl)
-    taps[len(params["layers"])] = x
+    valid = valid_mask(positions.shape, num_new)
+
+    def layer(lp, x, pool):
+        return decoder_layer(lp, cfg, x, positions, pool, page_table, cache_start, valid,
+                             new_mask, attn_impl)
+
+    logits, x, pools, aux = decoder_stack(params, cfg, layer, tokens, kv.k,
+                                          return_logits=return_logits,
+                                          inputs_embeds=inputs_embeds, aux_layers=aux_layers)
     kv = kv_cache.KVCache(k=tuple(pools), v=kv.v)
-    logits = lm_head(params, cfg, x) if return_logits else None
-    if aux_layers:
-        return logits, x, kv, jnp.concatenate([taps[i] for i in aux_layers], axis=-1)
-    return logits, x, kv
+    return (logits, x, kv, aux) if aux_layers else (logits, x, kv)
 
 
 def init_layer(cfg: DeepseekConfig, key, moe_layer: bool, dtype=jnp.float32, scale: float = 0.02):

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from specjax import kv_cache, registry
 from specjax.config import ModelConfig
-from specjax.model import decoder_layer, embed, rms_norm
+from specjax.model import decoder_layer, embed, rms_norm, valid_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,12 +230,9 @@ def head_forward(head_params, cfg: HeadConfig, target_params, tokens, features, 
     Returns:
       (hidden [B, T, E] the head's output h', kv).
     """
-    b, t = tokens.shape
     lcfg = cfg.layer
     e = embed(head_params if "embed" in head_params else target_params, tokens)
-    if num_new is None:
-        num_new = jnp.full((b,), t, jnp.int32)
-    valid = jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]
+    valid = valid_mask(tokens.shape, num_new)
     if cfg.kind == "eagle3":  # midlayer: attend over [enorm(emb), hnorm(f)], residual f
         x = features.astype(e.dtype)
         attn_in = jnp.concatenate([rms_norm(e, head_params["enorm"], lcfg.rms_norm_eps),

@@ -17,6 +17,8 @@ Layers are a Python list (unrolled under jit): on CPU a ``lax.scan`` over stacke
 ~45% slower. The same decoder layer serves targets, draft LLMs and the EAGLE/MTP heads, and the
 Llama-attention families of ``specjax.registry`` (llama, mistral, qwen2, qwen3, qwen3_moe): a
 layer whose dict has a "router" runs the ``moe`` function it is given instead of the dense MLP.
+``decoder_stack`` (embedding -> layers with aux taps -> lm_head) and ``valid_mask`` are the
+forward skeleton every family shares (``deepseek.forward`` runs its MLA layers through them).
 """
 
 from __future__ import annotations
@@ -214,26 +216,58 @@ def forward(params, cfg: ModelConfig, tokens, positions, kv: kv_cache.KVCache, p
       (logits [B, T, V] float32 or None, hidden [B, T, E] final pre-norm hidden states, kv), and
       with ``aux_layers`` a fourth item aux [B, T, len(aux_layers) * E].
     """
-    b, t = positions.shape
+    valid = valid_mask(positions.shape, num_new)
+
+    def layer(lp, x, cache):
+        x, k, v = decoder_layer(lp, cfg, x, positions, *cache, page_table, cache_start, valid,
+                                new_mask, attn_impl, moe)
+        return x, (k, v)
+
+    logits, x, caches, aux = decoder_stack(params, cfg, layer, tokens, list(zip(kv.k, kv.v)),
+                                           return_logits=return_logits,
+                                           inputs_embeds=inputs_embeds, aux_layers=aux_layers)
+    kv = kv_cache.KVCache(k=tuple(k for k, _ in caches), v=tuple(v for _, v in caches))
+    return (logits, x, kv, aux) if aux_layers else (logits, x, kv)
+
+
+# ------------------------------------------------------ the forward skeleton every family shares
+
+def valid_mask(shape, num_new=None):
+    """[B, T] bool: new token t of row b is real (t < num_new[b]; every token when num_new is
+    None). shape: (B, T); num_new: [B] int32 or None."""
+    b, t = shape
     if num_new is None:
         num_new = jnp.full((b,), t, jnp.int32)
-    valid = jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]  # [B, T]
-    x = embed(params, tokens) if inputs_embeds is None else inputs_embeds
+    return jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]
+
+
+def decoder_stack(params, cfg, layer, tokens, caches, *, return_logits: bool = True,
+                  inputs_embeds=None, aux_layers: tuple = ()):
+    """Embedding -> decoder layers -> lm_head, for any family (``deepseek.forward`` too).
+
+    Args:
+      params: {"embed", "layers", "norm", ("lm_head")} of the family's layout.
+      layer: ``layer(lp, x [B, T, E], cache) -> (x, cache)``: one of the family's decoder layers
+        over that layer's cache (the family's forward closes it over positions, page table...).
+      tokens: [B, T] int32 (ignored when inputs_embeds [B, T, E] is given).
+      caches: one cache per layer, in any form ``layer`` takes.
+      return_logits, inputs_embeds, aux_layers: as in ``forward``.
+    Returns:
+      (logits [B, T, V] float32 or None, hidden [B, T, E] final pre-norm, caches (a list), aux
+      [B, T, len(aux_layers) * E] or None).
+    """
     check_aux_layers(aux_layers, cfg.num_layers)
-    ks, vs = list(kv.k), list(kv.v)
-    taps = {}  # EAGLE-3 features: hidden states entering the aux layers
+    x = embed(params, tokens) if inputs_embeds is None else inputs_embeds
+    caches, taps = list(caches), {}  # taps: EAGLE-3 features, hidden states entering layers
     for i, lp in enumerate(params["layers"]):
         if i in aux_layers:
             taps[i] = x
         with jax.named_scope(f"layer_{i}"):
-            x, ks[i], vs[i] = decoder_layer(lp, cfg, x, positions, ks[i], vs[i], page_table,
-                                            cache_start, valid, new_mask, attn_impl, moe)
+            x, caches[i] = layer(lp, x, caches[i])
     taps[len(params["layers"])] = x
-    kv = kv_cache.KVCache(k=tuple(ks), v=tuple(vs))
     logits = lm_head(params, cfg, x) if return_logits else None
-    if aux_layers:
-        return logits, x, kv, jnp.concatenate([taps[i] for i in aux_layers], axis=-1)
-    return logits, x, kv
+    aux = jnp.concatenate([taps[i] for i in aux_layers], axis=-1) if aux_layers else None
+    return logits, x, caches, aux
 
 
 def check_aux_layers(aux_layers, num_layers: int) -> None:

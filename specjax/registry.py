@@ -2,9 +2,9 @@
 
 A ``Family`` record says, for one family, which HF ``model_type`` strings it reads, its static
 config class, its forward and paged-cache init (same contract as ``specjax.model.forward``), its
-decoder block for draft heads, its HF-directory loader, its sharding and its MTP-layer reader.
-Everything else asks the registry (``family_of(cfg)`` / ``family_for_model_type(name)``) instead
-of testing config types::
+params init, its decoder block for draft heads and what it does not support yet. Everything else
+asks the registry (``family_of(cfg)`` / ``family_for_model_type(name)``) instead of testing config
+types::
 
     family     model_types                           config            attention, MLP
     llama      llama, mistral, qwen2, qwen3, smollm3  ModelConfig       GQA (+ q/k norm), dense
@@ -15,6 +15,12 @@ Qwen3-MoE shares Llama's decoder layer (``model.decoder_layer``) and runs its ex
 ``_QWEN3_MOE`` (``deepseek.softmax_topk_moe``: softmax top-k routing, ``specjax.moe``'s grouped
 dispatch).
 A component that does not support a family says so through ``require``.
+
+The registry sits in the model layer, below ``specjax.io`` and ``specjax.sharding`` (which import
+heads and speculate, hence this module), and imports neither. Their per-family hooks live with
+them as ``{family name: function}`` tables that ``check_table`` holds to this registry: the HF
+loaders and MTP-layer readers in ``specjax.io.families``, the sharding rules in
+``specjax.sharding.families``.
 """
 
 from __future__ import annotations
@@ -46,12 +52,9 @@ class Family:
     # block(lp, cfg, x [B, T, E], positions, kv (one layer), page_table, cache_start, valid,
     #       new_mask, attn_impl) -> (h [B, T, E], kv): one decoder layer, for draft heads' blocks
     block: Callable
-    load_hf: Callable  # (dir, dtype) -> (cfg, host or device params) for a transformers dir
-    shard: Callable | None = None  # (Model, mesh) -> Model placed on the mesh; None: unsupported
-    read_mtp: Callable | None = None  # (dir, target Model) -> Head from the dir's own MTP layer
     # what does not work yet for this family: component -> reason (see ``require``)
-    # Components: "sharding" (registry.shard / load_model(mesh=...)), "tp_sharding"
-    # (specjax.sharding's dp/tp fused loop), "engine" (specjax.engine).
+    # Components: "sharding" (specjax.sharding.families.shard / load_model(mesh=...)),
+    # "tp_sharding" (specjax.sharding's dp/tp fused loop), "engine" (specjax.engine).
     unsupported: tuple[tuple[str, str], ...] = ()
 
     def from_hf_config(self, hf) -> Any:
@@ -66,18 +69,6 @@ def _llama_block(lp, cfg, x, positions, kv, page_table, cache_start, valid, new_
     h, k0, v0 = model.decoder_layer(lp, cfg, x, positions, kv.k[0], kv.v[0], page_table,
                                     cache_start, valid, new_mask, attn_impl, moe)
     return h, kv_cache.KVCache(k=(k0,), v=(v0,))
-
-
-def _load_llama(path, dtype, config_class=ModelConfig):
-    from specjax.io import hf  # noqa: PLC0415
-
-    return hf.load_hf_dir(path, np.dtype(dtype), config_class)
-
-
-def _shard_llama(m, mesh):
-    from specjax import sharding  # noqa: PLC0415  (sharding imports speculate, which imports us)
-
-    return sharding.shard_model(m, mesh)
 
 
 # --------------------------------------------------------------------------- qwen3_moe family
@@ -103,45 +94,24 @@ def _deepseek_block(lp, cfg, x, positions, kv, page_table, cache_start, valid, n
     return h, kv_cache.KVCache(k=(pool,), v=kv.v)
 
 
-def _load_deepseek(path, dtype):
-    from specjax.io import deepseek_hf  # noqa: PLC0415  (it imports heads, which imports us)
-
-    return deepseek_hf.load_hf_dir(path, dtype)
-
-
-def _shard_deepseek(m, mesh):
-    """On a ``deepseek.make_mesh`` (tp, ep) mesh: heads / MLP hidden over tp, experts over ep."""
-    return dataclasses.replace(m, params=deepseek.shard(
-        m.params, deepseek.param_specs(m.params, m.config, mesh), mesh))
-
-
-def _read_deepseek_mtp(path, target):
-    from specjax.io import deepseek_hf  # noqa: PLC0415
-
-    return deepseek_hf.load_mtp_dir(path, target)
-
-
 # ------------------------------------------------------------------------------- the table
 
 FAMILIES: tuple[Family, ...] = (
     Family(name="llama", model_types=("llama", "mistral", "qwen2", "qwen3", "smollm3"),
            config_class=ModelConfig, forward=model.forward, init_cache=kv_cache.init_cache,
-           init_params=model.init_params, block=_llama_block, load_hf=_load_llama,
-           shard=_shard_llama),
+           init_params=model.init_params, block=_llama_block),
     Family(name="qwen3_moe", model_types=("qwen3_moe",), config_class=Qwen3MoeConfig,
            forward=_qwen3_moe_forward, init_cache=kv_cache.init_cache,
            init_params=model.init_params, block=_qwen3_moe_block,
-           load_hf=lambda path, dtype: _load_llama(path, dtype, Qwen3MoeConfig),
            unsupported=(("sharding", "no expert-parallel sharding rules yet (specjax.moe)"),
                         ("tp_sharding", "no expert-parallel sharding rules yet (specjax.moe)"))),
     Family(name="deepseek", model_types=("deepseek_v2", "deepseek_v3"),
            config_class=DeepseekConfig, forward=deepseek.forward, init_cache=deepseek.init_cache,
-           init_params=deepseek.init_params, block=_deepseek_block, load_hf=_load_deepseek,
-           shard=_shard_deepseek, read_mtp=_read_deepseek_mtp,
+           init_params=deepseek.init_params, block=_deepseek_block,
            unsupported=(("tp_sharding",
                          "specjax.sharding's dp/tp loop lays out Llama K/V pools and weights; "
                          "place DeepSeek on a deepseek.make_mesh (tp, ep) mesh with "
-                         "load_model(mesh=...) / registry.shard"),)),
+                         "load_model(mesh=...) / specjax.sharding.families.shard"),)),
 )
 _BY_CLASS = {f.config_class: f for f in FAMILIES}
 FAMILIES_CLASSES = frozenset(_BY_CLASS)  # every registered config class
@@ -190,6 +160,18 @@ def require(cfg, component: str) -> Family:
     return fam
 
 
+def check_table(table: dict, component: str, every_family: bool = True) -> dict:
+    """Returns ``table`` ({family name: hook}, a layer above's per-family table) after checking
+    that it names only registered families and, with ``every_family``, has an entry for each
+    family that ``component`` supports (a ``require`` reason excuses one); ValueError otherwise."""
+    unknown = sorted(set(table) - {f.name for f in FAMILIES})
+    missing = sorted(f.name for f in FAMILIES if every_family and f.name not in table
+                     and component not in dict(f.unsupported))
+    if unknown or missing:
+        raise ValueError(f"{component} table: unknown families {unknown}, no entry for {missing}")
+    return table
+
+
 # ----------------------------------------------------------- dispatch for the shared core
 
 def forward(params, cfg, *args, **kw):
@@ -225,37 +207,6 @@ def block(lp, cfg, x, positions, kv, page_table, cache_start, valid, new_mask, a
     """One decoder layer of the family over a one-layer cache (draft heads' blocks)."""
     return family_of(cfg).block(lp, cfg, x, positions, kv, page_table, cache_start, valid,
                                 new_mask, attn_impl)
-
-
-def load_hf_dir(path: str, dtype=jnp.float32):
-    """(config, params) from a transformers directory, through its model_type's family."""
-    from specjax.io.hf import read_config  # noqa: PLC0415
-
-    hf_cfg = read_config(path)
-    fam = family_for_model_type(hf_cfg.get("model_type"), hf_cfg.get("architectures"))
-    return fam.load_hf(path, dtype)
-
-
-def shard(m, mesh):
-    """A Model placed on ``mesh`` by its family's sharding rules."""
-    fam = require(m.config, "sharding")
-    if fam.shard is None:
-        raise ValueError(f"sharding does not support the {fam.name} family yet")
-    return fam.shard(m, mesh)
-
-
-def read_mtp(path: str, target):
-    """The MTP head stored in the target's own HF directory (DeepSeek-V3), or None when the
-    target's family has no MTP layers or the directory holds none."""
-    fam = family_of(target.config)
-    if fam.read_mtp is None:
-        return None
-    from specjax.io.hf import read_config  # noqa: PLC0415
-
-    hf_cfg = read_config(path)
-    if not (hf_cfg.get("num_nextn_predict_layers") or 0) or hf_cfg.get("model_type") not in fam.model_types:
-        return None
-    return fam.read_mtp(path, target)
 
 
 def to_device(params):

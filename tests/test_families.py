@@ -128,6 +128,34 @@ def test_unsupported_model_type_names_supported(tmp_path):
         sj.load_model(str(tmp_path))
 
 
+def test_family_tables_cover_the_registry():
+    """The loaders and sharding rules above the registry are keyed by family name and checked
+    against it: a missing family or an unknown name fails on import (negative control below)."""
+    from specjax.io import families as io_families
+    from specjax.sharding import families as sharding_families
+
+    names = {f.name for f in registry.FAMILIES}
+    assert set(io_families.LOAD_HF) == names
+    assert set(io_families.READ_MTP) == {"deepseek"}
+    assert set(sharding_families.SHARD) == names - {"qwen3_moe"}  # qwen3_moe: unsupported
+    with pytest.raises(ValueError, match=r"load_hf table: unknown families \[\], "
+                                         r"no entry for \['qwen3_moe'\]"):
+        registry.check_table({"llama": None, "deepseek": None}, "load_hf")
+    with pytest.raises(ValueError, match=r"unknown families \['gpt2'\]"):
+        registry.check_table({"gpt2": None}, "read_mtp", every_family=False)
+
+
+def test_family_without_sharding_rules_names_itself(tmp_path):
+    """load_model(mesh=...) of a family with no sharding rules yet: a ValueError naming the
+    family and the reason (the registry's ``unsupported``), raised by sharding.families."""
+    from specjax.sharding import make_mesh
+
+    build("qwen3_moe", str(tmp_path))
+    with pytest.raises(ValueError, match="sharding does not support the qwen3_moe family yet: "
+                                         "no expert-parallel"):
+        sj.load_model(str(tmp_path), mesh=make_mesh())
+
+
 def test_sharded_bf16_checkpoint(tmp_path):
     """model-0000x-of-0000y.safetensors + index, bf16: loads bit-exactly, tensor by tensor
     (host peak below 1.5x the checkpoint's bytes), and matches transformers on those weights."""

@@ -8,6 +8,8 @@ import os
 import jax
 import numpy as np
 
+from specjax import registry
+
 CONFIG_FILE = "specjax_config.json"
 PARAMS_DIR = "params"
 
@@ -26,8 +28,6 @@ def save_checkpoint(path: str, params, config, kind: str = "model", extra=None) 
     params = jax.tree.map(np.asarray, params)
     with ocp.PyTreeCheckpointer() as ckptr:
         ckptr.save(params_dir, params, force=True)
-    from specjax import registry  # noqa: PLC0415
-
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
         json.dump({"kind": kind, "family": registry.family_of(config).name,
                    "config": config.to_dict(), "extra": extra or {}}, f, indent=2)
@@ -57,8 +57,6 @@ def load_checkpoint(path: str):
 
 
 def load_model_checkpoint(path: str):
-    from specjax import registry  # noqa: PLC0415
-
     kind, cfg, params, _ = load_checkpoint(path)
     if kind != "model":
         raise ValueError(f"{path!r} holds a {kind!r}, not a model; use sj.load_draft")

@@ -4,7 +4,7 @@
 ``model-0000x-of-0000y.safetensors`` through ``model.safetensors.index.json``; bf16 as ml_dtypes'
 bfloat16), so a loader never holds the whole checkpoint twice. ``load_hf_dir`` maps the
 Llama-attention families' names (llama, mistral, qwen2, qwen3, qwen3_moe) to specjax params;
-DeepSeek's names are in ``specjax.io.deepseek_hf``; ``specjax.registry`` picks the loader.
+DeepSeek's names are in ``specjax.io.deepseek_hf``; ``specjax.io.families`` picks the loader.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import re
 
 import numpy as np
 
+from specjax import registry
 from specjax.config import ModelConfig
 
 # HF tensor name -> (our name, transpose?). One table, one shape check per tensor.
@@ -136,7 +137,7 @@ def load_hf_dir(path: str, dtype=np.float32, config_class=ModelConfig):
       path: the directory (config.json + one or several *.safetensors).
       dtype: the params' dtype (numpy / ml_dtypes: float32, bfloat16...); each tensor is cast
         as it is read.
-      config_class: ModelConfig or a subclass (Qwen3MoeConfig); ``specjax.registry`` picks it.
+      config_class: ModelConfig or a subclass (Qwen3MoeConfig); ``specjax.io.families`` picks it.
     Returns:
       (config, params) with host numpy arrays of ``dtype`` in the specjax layout.
     """
@@ -206,8 +207,6 @@ def iter_hf_tensors(params):
 def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict:
     """The transformers config.json content for ``cfg`` (LlamaForCausalLM; Qwen3ForCausalLM when
     the config has per-head q/k norms)."""
-    from specjax import registry  # noqa: PLC0415
-
     if registry.family_of(cfg).name != "llama":
         raise ValueError(f"save_hf_dir writes Llama-family directories; got a "
                          f"{registry.family_of(cfg).name} config")

@@ -12,6 +12,7 @@ never reshards. The package, one concept per module (imports run top to bottom o
     distributed    multi-process setup (public jax.distributed) and a cross-process barrier
     hlo            collectives of a compiled program, in-loop or not
     programs       generate_device / lower_generate / place_inputs, teacher-forced logits
+    families       each model family's placement rules (``families.shard``: load_model(mesh=))
 
 Collectives per fused step (read from the compiled HLO; the table in docs/sharding.md):
 per target layer two all-reduces of [B/dp, T, E] (after wo and w_down) plus one for the

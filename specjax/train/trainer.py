@@ -62,11 +62,6 @@ def _paged(b, t, cfg):
             jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)))
 
 
-def _soft_ce(teacher_logits, logits):
-    p = jax.nn.softmax(teacher_logits, axis=-1)
-    return -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)
-
-
 def _smooth_l1(x, y):
     d = jnp.abs(x - y)
     return jnp.mean(jnp.where(d < 1.0, 0.5 * d * d, d - 0.5), axis=-1)
@@ -121,6 +116,7 @@ def head_loss(head_params, head_cfg: heads.HeadConfig, tp, tcfg, tokens, lengths
         teacher = jax.lax.stop_gradient(heads.target_logits(tp, tcfg, h_next, vocab))
         want = (jnp.argmax(lm_head(tp, tcfg, h_next), -1) if exact_top1
                 else jnp.take(vocab, jnp.argmax(teacher, -1)))
+    teacher_p = jax.nn.softmax(teacher, -1)  # soft cross-entropy targets
     kv, pt, pos = _paged(b, t - 1, head_cfg.layer)
     mask = _loss_mask(t - 1, 2, lengths, prompt_lens, tc)  # head position j predicts x_{j+2}
     denom = jnp.maximum(mask.sum(), 1.0)
@@ -137,7 +133,7 @@ def head_loss(head_params, head_cfg: heads.HeadConfig, tp, tcfg, tokens, lengths
         got = jnp.argmax(logits, -1) if vocab is None else jnp.take(vocab, jnp.argmax(logits, -1))
         out = rms_norm(hh, jnp.ones(hh.shape[-1]), 1e-6) if head_cfg.norms else hh
         reg = 0.0 if eagle3 else (_smooth_l1(out, reg_target) * mask).sum() / denom
-        cls = (_soft_ce(teacher, logits) * mask).sum() / denom
+        cls = (optax.softmax_cross_entropy(logits, teacher_p) * mask).sum() / denom
         top1 = ((got == want) * mask).sum() / denom
         # EAGLE-3: the cross-entropy is the whole objective (cls_weight scales only a mix)
         total = total + weight * (cls if eagle3 else tc.reg_weight * reg + tc.cls_weight * cls)
@@ -160,8 +156,8 @@ def draft_loss(trainable, tp, tcfg, cfg, tokens, lengths, hidden, tc: TrainConfi
     kv, pt, pos = _paged(b, t, cfg)
     logits, _, _ = forward(params, cfg, tokens, pos, kv, pt, jnp.zeros((b,), jnp.int32), lengths)
     teacher = jax.lax.stop_gradient(lm_head(tp, tcfg, hidden.astype(jnp.float32)))
-    p_log = jax.nn.log_softmax(teacher, -1)
-    kl = jnp.sum(jnp.exp(p_log) * (p_log - jax.nn.log_softmax(logits, -1)), -1)
+    kl = optax.losses.kl_divergence_with_log_targets(jax.nn.log_softmax(logits, -1),
+                                                     jax.nn.log_softmax(teacher, -1))
     mask = _loss_mask(t, 1, lengths, prompt_lens, tc)  # position t predicts x_{t+1}
     denom = jnp.maximum(mask.sum(), 1.0)
     kl = (kl * mask).sum() / denom
