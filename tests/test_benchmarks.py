@@ -1,5 +1,7 @@
-"""benchmarks/gpu_check.py in its --cpu-smoke mode (so the one-call GPU script cannot rot), and
-the planted-acceptance construction it measures speedups with."""
+"""benchmarks/gpu_check.py in its --cpu-smoke mode (so the one-call GPU script cannot rot), the
+planted-acceptance construction it measures speedups with, the interleaved-rounds timing protocol,
+and the tiny modes of bench_tree / bench_engine / bench_ngram (each writes per-round wall times,
+a median and a spread)."""
 
 import importlib.util
 import json
@@ -9,8 +11,6 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-pytest.importorskip("torch")
 
 
 def _load(name):
@@ -23,6 +23,7 @@ def _load(name):
 
 @pytest.fixture(scope="module")
 def gpu_check():
+    pytest.importorskip("torch")
     return _load("gpu_check")
 
 
@@ -97,3 +98,68 @@ def test_interleaved_rounds_alternate_and_pair_speedups():
     assert (sp["median"], sp["min"], sp["max"], sp["rounds"]) == (2.0, 1.5, 4.0, 3)
     with pytest.raises(ValueError, match="rounds"):
         bench.interleaved_rounds(runs, rounds=0)
+
+
+def _check_timed(d: dict, rounds: int) -> None:
+    """A timed run's record: per-round wall times and foreign CPU, median tokens/s and spread."""
+    assert len(d["wall_s"]) == len(d["foreign_cpu"]) == rounds and all(w > 0 for w in d["wall_s"])
+    t = d["tokens_per_second"] if "tokens_per_second" in d else d["tokens_per_s"]
+    assert t["rounds"] == rounds and 0 < t["min"] <= t["median"] <= t["max"]
+
+
+def test_bench_tree_tiny(tmp_path):
+    mod = _load("bench_tree")
+    out = tmp_path / "tree.json"
+    mod.main(["--tiny", "--rounds", "3", "--widths", "3", "--prompts", "2",
+              "--max-new-tokens", "8", "--out", str(out)])
+    data = json.load(open(out))
+    meta, rows = data["meta"], data["rows"]
+    assert meta["rounds"] == 3 and meta["tiny"] and "--rounds 3" in meta["command"]
+    assert {"date", "machine", "max_foreign_cpu"} <= set(meta)
+    assert [r["config"].split()[0] for r in rows] == ["plain", "chain", "tree"]
+    for r in rows:
+        _check_timed(r, 3)
+        assert r["identical"] and r["mean_accepted_length"] >= 1.0
+    for r in rows[1:]:
+        assert r["speedup_vs_plain"] == pytest.approx(
+            r["tokens_per_s"]["median"] / rows[0]["tokens_per_s"]["median"])
+        assert r["speedup_vs_plain_per_round"]["rounds"] == 3
+    assert "gain_over_chain" in rows[2] and rows[2]["tree"]["num_nodes"] == 2
+    with pytest.raises(SystemExit):
+        mod.main(["--tiny", "--rounds", "0"])
+
+
+def test_bench_engine_tiny(tmp_path):
+    mod = _load("bench_engine")
+    out = tmp_path / "engine.json"
+    data = mod.main(["--rounds", "3", "--methods", "mtp", "--batches", "2", "--num-requests", "4",
+                     "--max-tokens", "6", "--out", str(out)])
+    assert json.load(open(out))["rounds"] == 3 and data["rounds"] == 3
+    assert {"date", "machine", "command", "max_foreign_cpu"} <= set(data)
+    (row,) = data["rows"]
+    assert row["identical"] and row["method"] == "mtp" and row["batch"] == 2
+    _check_timed(row["engine"], 3)
+    _check_timed(row["generate"], 3)
+    assert row["engine_over_static"] == pytest.approx(
+        row["engine"]["tokens_per_second"]["median"] / row["generate"]["tokens_per_second"]["median"])
+    assert row["engine"]["mean_accepted_length"] >= 1.0
+    assert row["engine"]["ttft_p50_ms"] > 0 and row["engine"]["itl_p50_ms"] > 0
+    with pytest.raises(SystemExit):
+        mod.main(["--rounds", "0"])
+
+
+@pytest.mark.slow
+def test_bench_ngram_tiny(tmp_path):
+    pytest.importorskip("torch")
+    mod = _load("bench_ngram")
+    out = tmp_path / "ngram.json"
+    assert mod.main(["--tiny", "--rounds", "3", "--no-progress", "--out", str(out)]) == 0
+    data = json.load(open(out))
+    assert data["tiny"] and data["rounds"] == 3
+    for part in ("reuse", "useless", "head_chat", "head_reuse"):
+        cases = {k: v for k, v in data[part].items() if "median_tok_s" in v}
+        assert "specjax plain" in cases, part
+        for name, v in cases.items():
+            assert 0 < v["min_tok_s"] <= v["median_tok_s"] <= v["max_tok_s"], (part, name)
+            assert v["greedy_equal_to_plain"], (part, name)
+    assert "HF prompt lookup" in data["reuse"] and "vs_hf_prompt_lookup" in data["reuse"]["specjax ngram"]
