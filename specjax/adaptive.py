@@ -4,9 +4,11 @@ The device keeps decayed counts of per-position acceptance over recent steps (on
 batch): ``obs[i]`` (row-steps that reached draft position i+1, i.e. drafted it with every earlier
 draft accepted) and ``hits[i]`` (those that accepted it), both multiplied by ``DECAY`` each step and
 normalised per active row, so the estimate follows the last ~1/(1 - DECAY) steps. The conditional
-acceptance of position i is (hits[i] + prior_i) / (obs[i] + 1) with prior_0 = PRIOR and
-prior_i = the estimate of position i-1 (positions never tried borrow from the one before).
-Unobserved counts decay back towards the prior, so a k that looked bad is eventually retried.
+acceptance of position i is (hits[i] + w * prior_i) / (obs[i] + w), w = PRIOR_WEIGHT
+pseudo-observations, with prior_0 = PRIOR and prior_i = the estimate of position i-1 (positions
+never tried borrow from the one before). Unobserved counts decay back towards the prior, so a k
+that looked bad is eventually retried; the small w makes that retry (a probe) rare, every ~30
+plain steps after a draft that accepted nothing, so a useless draft costs little.
 
 Expected tokens of a k-step: E(k) = 1 + sum_{i<k} prod_{j<=i} alpha_j. Its cost, relative to a
 plain one-token step, is ``cost[k]`` = (verify(k+1) + drafting(k)) / decode(1), measured on the
@@ -30,6 +32,7 @@ import numpy as np
 
 DECAY = 0.95  # per-step decay of the acceptance counts
 PRIOR = 0.5  # acceptance assumed for a position with no recent observation
+PRIOR_WEIGHT = 0.25  # pseudo-observations the prior counts for
 
 
 
@@ -37,7 +40,7 @@ def acceptance_estimate(hits: jax.Array, obs: jax.Array) -> jax.Array:
     """[K] conditional acceptance estimate per draft position (module docstring)."""
     est, prior = [], jnp.float32(PRIOR)
     for i in range(hits.shape[0]):  # static, small
-        prior = (hits[i] + prior) / (obs[i] + 1.0)
+        prior = (hits[i] + PRIOR_WEIGHT * prior) / (obs[i] + PRIOR_WEIGHT)
         est.append(prior)
     return jnp.stack(est)
 
