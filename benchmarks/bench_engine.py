@@ -128,15 +128,11 @@ def main(argv=None) -> dict:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--k", type=int, default=None, help="draft length (default 3 tiny, 1 smollm2)")
     p.add_argument("--early-exit", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up (>= 3 "
-                                                         "for a meaningful spread)")
-    p.add_argument("--wait-idle", type=float, default=0.0,
-                   help="wait up to this many seconds for a quiet machine before each timed run")
+    bench.add_timing_args(p)
     p.add_argument("--out", default=None, help="JSON report (default "
                                                "benchmarks/results/engine_<model>.json)")
     args = p.parse_args(argv)
-    if args.rounds < 1:
-        p.error(f"--rounds must be >= 1 (timed rounds after the warm-up), got {args.rounds}")
+    bench.check_timing_args(p, args)
     if args.rounds < 3:
         print(f"note: {args.rounds} round(s): the spread needs >= 3", file=sys.stderr)
     args.k = args.k or (3 if args.model == "tiny" else 1)

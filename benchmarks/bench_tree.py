@@ -79,15 +79,11 @@ def main(argv=None) -> list:
     ap.add_argument("--prompts", type=int, default=None, help="prompts in the batch (default 16; "
                                                                "tiny 4)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 64; tiny 16")
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up (>= 3 "
-                                                          "for a meaningful spread)")
-    ap.add_argument("--wait-idle", type=float, default=0.0,
-                    help="wait up to this many seconds for a quiet machine before each timed run")
+    bench.add_timing_args(ap)
     ap.add_argument("--out", default=None, help="JSON report (default benchmarks/results/tree.json; "
                                                  "tiny: none)")
     args = ap.parse_args(argv)
-    if args.rounds < 1:
-        ap.error(f"--rounds must be >= 1 (timed rounds after the warm-up), got {args.rounds}")
+    bench.check_timing_args(ap, args)
     if args.tiny and args.head:
         ap.error("--tiny uses a random head; drop --head")
     widths = [int(x) for x in args.widths.split(",")]

@@ -119,6 +119,20 @@ def interleaved_rounds(runs: dict, rounds: int = 3, wait_idle_s: float = 0.0) ->
     return out
 
 
+def add_timing_args(parser) -> None:
+    """The ``--rounds`` / ``--wait-idle`` options every interleaved benchmark script takes."""
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timed rounds after the warm-up (>= 3 for a meaningful spread)")
+    parser.add_argument("--wait-idle", type=float, default=0.0,
+                        help="wait up to this many seconds for a quiet machine before each timed run")
+
+
+def check_timing_args(parser, args) -> None:
+    """Rejects ``--rounds`` < 1 through ``parser.error`` (exit 2, the option named)."""
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1 (timed rounds after the warm-up), got {args.rounds}")
+
+
 def spread(values) -> dict:
     """Median, min and max of per-round values (a speedup's spread is its per-round ratios')."""
     v = sorted(float(x) for x in values)
