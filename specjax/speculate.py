@@ -290,12 +290,7 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
         kk = lc.k_eff
         if cost is None:
             raise ValueError("adaptive speculation needs the cost model (cost=[K+1] array)")
-        extra = {}
-        if lc.method != "ngram":
-            extra.update(lag=jnp.zeros((b,), jnp.int32),
-                         lag_tokens=jnp.zeros((b, lag_window), jnp.int32))
-        if lc.uses_head:
-            extra["lag_feats"] = jnp.zeros((b, lag_window, draft_cfg.layer.hidden_size), kv_dtype)
+        extra = init_lag(lc, draft_cfg, b, lag_window, kv_dtype)
         state = dataclasses.replace(
             state, acc_hits=jnp.zeros((kk,), jnp.float32), acc_obs=jnp.zeros((kk,), jnp.float32),
             cost=jnp.asarray(cost, jnp.float32).reshape(kk + 1), k_hist=jnp.zeros((kk + 1,), jnp.int32),
@@ -420,22 +415,34 @@ def _commit(state: DecodeState, rp: RowParams, a, y, emitted, *, drafted, **upda
     return dataclasses.replace(state, **new)
 
 
-def catch_up(target_params, target_cfg, draft_params, draft_cfg, draft_kv, page_table, end, num,
-             lag_tokens, lag_feats, lc: SpecConfig):
-    """Runs the draft LLM / head over pending positions ``end - num .. end - 1`` (one forward of
-    W = lag_tokens.shape[1] slots), writing their K/V.
+def init_lag(lc: SpecConfig, draft_cfg, rows: int, window: int, dtype) -> dict:
+    """Zeroed lazy-upkeep fields (lag, lag_tokens, lag_feats) for ``rows`` rows; {} for n-gram."""
+    if lc.method == "ngram":
+        return {}
+    out = {"lag": jnp.zeros((rows,), jnp.int32), "lag_tokens": jnp.zeros((rows, window), jnp.int32)}
+    if lc.uses_head:
+        out["lag_feats"] = jnp.zeros((rows, window, draft_cfg.layer.hidden_size), dtype)
+    return out
 
-    Draft LLM: position p consumes x_p; head: position p consumes (x_{p+1}, f_p). Both are read
-    from the window at slot p % W.
+
+def catch_up(target_params, target_cfg, draft_params, draft_cfg, draft_kv, page_table, lengths,
+             num, lag_tokens, lag_feats, lc: SpecConfig, keep: int = 0):
+    """Runs the draft LLM / head over ``num`` pending positions, the oldest first, leaving the
+    newest ``keep`` pending (one forward of W = lag_tokens.shape[1] slots), writing their K/V.
+
+    Pending positions end one before ``lengths`` (draft LLM: it has consumed x_0..x_{n-1} when
+    level) or two before (head: positions up to n-2). Draft LLM: position p consumes x_p; head:
+    position p consumes (x_{p+1}, f_p). Both are read from the window at slot p % W.
 
     Args:
-      end: [B] int32 one past the last pending position; num: [B] int32 in [0, W] positions to
-        process (0 = row untouched).
+      lengths: [B] int32 committed tokens n; num: [B] int32 in [0, W] positions to process
+        (0 = row untouched).
     Returns:
-      (draft_kv, hidden [B, E] the drafter's output at end - 1, valid where num > 0).
+      (draft_kv, hidden [B, E] the drafter's output at the last processed position, valid where
+      num > 0).
     """
     w = lag_tokens.shape[1]
-    start = end - num
+    start = lengths - (1 if lc.uses_head else 0) - keep - num
     pos = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]  # [B, W] (beyond num: unused)
     slots = pos % w
     tokens = jnp.take_along_axis(lag_tokens, slots, axis=1)
@@ -457,10 +464,10 @@ def _catch_up_state(target_params, target_cfg, draft_params, draft_cfg, state: D
     refreshes the carried draft logits (and a head's carried output); keep = 1 leaves the
     newest position pending, so the logits stay stale and no lm_head is computed."""
     active = ~state.done
-    end = state.lengths - (1 if lc.uses_head else 0) - keep  # pending ..lengths-1 (heads: -2)
     num = jnp.where(active, jnp.maximum(state.lag - keep, 0), 0)
     draft_kv, last = catch_up(target_params, target_cfg, draft_params, draft_cfg, state.draft_kv,
-                              state.page_table, end, num, state.lag_tokens, state.lag_feats, lc)
+                              state.page_table, state.lengths, num, state.lag_tokens,
+                              state.lag_feats, lc, keep)
     updates = {"draft_kv": draft_kv, "lag": state.lag - num}
     if keep == 0:
         fresh = num > 0

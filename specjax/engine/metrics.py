@@ -67,12 +67,11 @@ class EngineMetrics:
         self.first_arrival = None
         self.last_token_time = None
 
-    def observe_spec(self, num_accepted: int, num_emitted: int, num_drafted: int | None = None) -> None:
-        """One speculative row-step that proposed ``num_drafted`` drafts (default k; 0 for an
-        n-gram row without a match or an adaptive plain step: not counted as a draft) and emitted
+    def observe_spec(self, num_accepted: int, num_emitted: int, num_drafted: int) -> None:
+        """One speculative row-step that proposed ``num_drafted`` drafts (0 for an n-gram row
+        without a match or an adaptive plain step: not counted as a draft) and emitted
         ``num_emitted`` tokens, ``num_accepted`` of them drafts (accepted drafts cut by a stop or
         max_tokens are not counted)."""
-        num_drafted = self.k if num_drafted is None else num_drafted
         if num_drafted == 0:
             return
         self.spec_decode_num_emitted_tokens += num_emitted

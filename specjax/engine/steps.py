@@ -109,11 +109,7 @@ def init_state(target_cfg, draft_cfg, sc: StepConfig, num_pages: int, dtype) -> 
         kk = lc.k_eff
         extra.update(acc_hits=jnp.zeros((kk,), jnp.float32), acc_obs=jnp.zeros((kk,), jnp.float32),
                      k_hist=jnp.zeros((kk + 1,), jnp.int32))
-        w = speculate.LAG_WINDOW
-        if lc.method != "ngram":
-            extra.update(lag=jnp.zeros((s1,), jnp.int32), lag_tokens=jnp.zeros((s1, w), jnp.int32))
-        if lc.uses_head:
-            extra["lag_feats"] = jnp.zeros((s1, w, draft_cfg.layer.hidden_size), dtype)
+        extra.update(speculate.init_lag(lc, draft_cfg, s1, speculate.LAG_WINDOW, dtype))
     return SlotState(target_kv=target_kv, draft_kv=draft_kv, lengths=jnp.ones((s1,), jnp.int32),
                      last_token=jnp.zeros((s1,), jnp.int32), draft_logits=draft_logits,
                      head_hidden=head_hidden, **extra)
@@ -232,11 +228,10 @@ def _extend(target_params, draft_params, state: SlotState, meta, *, target_cfg, 
     draft_kv = state.draft_kv
     if state.lag is not None:
         num = jnp.where(is_dec & cols["valid"], state.lag[slot], 0)
-        end = n_dev - (1 if lc.uses_head else 0)
         draft_kv = jax.lax.cond(
             jnp.any(num > 0),
             lambda kv: speculate.catch_up(target_params, target_cfg, draft_params, draft_cfg, kv,
-                                          page_table, end, num, state.lag_tokens[slot],
+                                          page_table, n_dev, num, state.lag_tokens[slot],
                                           None if state.lag_feats is None else state.lag_feats[slot],
                                           lc)[0],
             lambda kv: kv, draft_kv)
