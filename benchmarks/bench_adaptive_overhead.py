@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -69,9 +68,9 @@ def main(argv=None) -> int:
               "head": name, "k_histogram_last": hists[-1], "cases": {}}
     for case, r in res.items():
         tps = [r["result"] / w for w in r["wall_s"]]
-        report["cases"][case] = {"tokens_per_second": tps, "median": statistics.median(tps),
-                                 "foreign_cpu": r["foreign_cpu"]}
-        print(f"{case:14s} {statistics.median(tps):6.1f} tok/s [{min(tps):.1f}..{max(tps):.1f}]"
+        sp = bench.spread(tps)
+        report["cases"][case] = {"tokens_per_second": tps, **sp, "foreign_cpu": r["foreign_cpu"]}
+        print(f"{case:14s} {sp['median']:6.1f} tok/s [{sp['min']:.1f}..{sp['max']:.1f}]"
               f"  foreign {max(f or 0 for f in r['foreign_cpu']):.1%}")
     ratio = report["cases"]["adaptive k=0"]["median"] / report["cases"]["plain"]["median"]
     report["ratio"] = ratio
