@@ -385,8 +385,15 @@ def _prepare_training(args):
     tok = sj.load_tokenizer(args.model)
     eagle3 = getattr(args, "kind", None) == "eagle3"
     aux = default_aux_layers(target.config.num_layers) if eagle3 else ()
-    pipeline.prepare(target, tok, args.work, args.num_prompts, args.num_wiki, args.held_out_prompts,
-                     args.answer_tokens, args.seq_len, aux_layers=aux)
+    args.data = None
+    if getattr(args, "corpus", None):
+        if not args.held_out_corpus:
+            raise ValueError("--corpus needs --held-out-corpus (distill --split held_out)")
+        args.data = pipeline.prepare_broad(target, args.corpus, args.held_out_corpus, args.work,
+                                           aux_layers=aux, shards=args.shards)
+    else:
+        pipeline.prepare(target, tok, args.work, args.num_prompts, args.num_wiki,
+                         args.held_out_prompts, args.answer_tokens, args.seq_len, aux_layers=aux)
     rollout = args.rollout if args.rollout is not None else (3 if eagle3 else 1)
     decay = getattr(args, "rollout_decay", None)
     tc = trainer.TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -400,7 +407,7 @@ def cmd_train_head(args) -> int:
     target, tok, tc, pipeline = _prepare_training(args)
     pipeline.train_head(target, tok, args.work, args.out, args.kind, args.norms == "on", tc,
                         eval_prompts=args.eval_prompts, draft_vocab=args.draft_vocab,
-                        run_name=args.run_name)
+                        run_name=args.run_name, data=args.data)
     return 0
 
 
@@ -584,6 +591,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "(EAGLE-3's reduced draft vocabulary; 0 = the full vocabulary)")
     th.add_argument("--norms", choices=["on", "off"], default="on",
                     help="restored RMSNorms (enorm/hnorm/block/final) on or off (EAGLE-1 style)")
+    th.add_argument("--corpus", default=None,
+                    help="train on a broad distilled corpus (answers-*.jsonl shards written by "
+                         "python -m specjax.train.distill) instead of building the small one")
+    th.add_argument("--held-out-corpus", default=None,
+                    help="with --corpus: distilled held-out shards (distill --split held_out), "
+                         "scored per domain")
+    th.add_argument("--shards", type=int, default=None,
+                    help="with --corpus: train on the first N shards only (default: all)")
     td = sub.add_parser("train-draft", help="distill a small draft LLM sharing the target's "
                                                "embedding and lm_head (resumable)")
     _train_common(td)

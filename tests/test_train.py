@@ -336,3 +336,43 @@ def test_eagle3_training_time_test_learns_and_drafts(setup, tmp_path):
     spec = sj.generate(target, prompts, max_new_tokens=16, draft=head, method="eagle3",
                        num_draft_tokens=3, eos_token_id=[])
     assert spec.tokens == plain.tokens and spec.stats["acceptance_rate"] > 0.0
+
+
+def test_ragged_features_match_padded_and_crop_from_the_front(setup, tmp_path):
+    """collect_features (broad-corpus shards, ragged, memory-mapped) stores exactly the hidden
+    states collect_hidden pads; RaggedSet.take crops a long row from the front, keeping its
+    answer and the features the full-length forward gave those positions; draft_vocab and
+    per-domain subsets work on it."""
+    target, data, work = setup
+    aux = (0, 2)
+    rows = [json.loads(line) for line in open(work / "corpus" / "corpus-00000.jsonl")]
+    src = tmp_path / "answers-00000.jsonl"
+    with open(src, "w") as f:
+        for i, r in enumerate(rows):
+            f.write(json.dumps(dict(r, domain="ab"[i % 2], source=str(i),
+                                    temperature=0.0)) + "\n")
+    dirs = data_lib.collect_features(target, [str(src)], str(tmp_path / "feat"), aux_layers=aux,
+                                     buckets=(16, 32), batch_tokens=96)
+    padded = data_lib.load_hidden(data_lib.collect_hidden(
+        target, str(work / "corpus"), str(tmp_path / "hid"), seq_len=32, batch_size=16,
+        aux_layers=aux))
+    ragged = data_lib.RaggedSet(dirs)
+    assert len(ragged) == 48 and ragged.feature_size == 3 * 32
+    idx = np.arange(48)
+    tokens, lengths, hidden, plens = ragged.take(idx, 32)
+    np.testing.assert_array_equal(tokens, padded["tokens"])
+    np.testing.assert_array_equal(lengths, padded["lengths"])
+    np.testing.assert_array_equal(plens, padded["prompt_lens"])
+    valid = np.arange(32)[None, :] < lengths[:, None]
+    np.testing.assert_allclose(hidden[valid].astype(np.float32),
+                               padded["hidden"][valid].astype(np.float32), rtol=2e-3, atol=2e-3)
+    t2, l2, h2, p2 = ragged.take(idx, 20)  # rows of 26..31 tokens lose their first tokens
+    for i in range(48):
+        n, cut = int(lengths[i]), max(0, int(lengths[i]) - 20)
+        assert l2[i] == n - cut and p2[i] == max(int(plens[i]) - cut, 0)
+        np.testing.assert_array_equal(t2[i, :n - cut], tokens[i, cut:n])
+        np.testing.assert_array_equal(h2[i, :n - cut], hidden[i, cut:n])
+    np.testing.assert_array_equal(data_lib.draft_vocab(ragged, 40, 64),
+                                  data_lib.draft_vocab(padded, 40, 64))
+    b = ragged.subset(ragged.domains == "b")
+    assert len(b) == 24 and list(b.lengths) == list(lengths[1::2])

@@ -44,7 +44,7 @@ def read_shards(out_dir: str) -> list[dict]:
 def generate_corpus(target, tok, out_dir: str, *, split: str = "train", num_shards: int | None = None,
                     first_shard: int = 0, shard_size: int = 256, batch_size: int = 64,
                     max_new_tokens: int = 192, temperature: float = 0.7, max_prompt_tokens: int = 448,
-                    seed: int = 0) -> list[str]:
+                    seed: int = 0, engine_slots: int = 0) -> list[str]:
     """Writes missing answer shards ``first_shard .. first_shard + num_shards - 1``.
 
     Args:
@@ -54,6 +54,8 @@ def generate_corpus(target, tok, out_dir: str, *, split: str = "train", num_shar
       shard_size, batch_size: prompts per shard / per ``sj.generate`` call.
       max_new_tokens: answer length cap; temperature: the sampled half's temperature.
       max_prompt_tokens: longer prompts are skipped (recorded as skipped in the log).
+      engine_slots: > 0: answer through ``specjax.engine.Engine`` with that many slots (a
+        request's sampled stream is seeded per prompt, so a shard is reproducible).
     Returns:
       the shard paths (finished ones included).
     """
@@ -66,6 +68,13 @@ def generate_corpus(target, tok, out_dir: str, *, split: str = "train", num_shar
     total_shards = -(-len(prompts) // shard_size)
     last = total_shards if num_shards is None else min(total_shards, first_shard + num_shards)
     eos = tok.eos_token_id
+    engine = None
+    if engine_slots > 0:
+        from specjax.engine import Engine, EngineConfig  # noqa: PLC0415
+
+        engine = Engine(target, config=EngineConfig(
+            max_slots=engine_slots, max_model_len=max_prompt_tokens + max_new_tokens,
+            token_buckets=(64, 256), max_prefill_tokens=1024))
     paths = []
     for s in range(first_shard, last):
         path = shard_path(out_dir, s)
@@ -77,7 +86,20 @@ def generate_corpus(target, tok, out_dir: str, *, split: str = "train", num_shar
         kept = [(p, ids) for p, ids in encoded if len(ids) <= max_prompt_tokens]
         kept.sort(key=lambda r: len(r[1]))
         rows, t0, new_tokens = [], time.perf_counter(), 0
-        for b0 in range(0, len(kept), batch_size):
+        if engine is not None:
+            from specjax.engine import RequestParams  # noqa: PLC0415
+
+            temps = [0.0 if i % 2 == 0 else temperature for i in range(len(kept))]
+            handles = [engine.submit(ids, RequestParams(
+                max_tokens=max_new_tokens, temperature=t, seed=seed + s * shard_size + i,
+                stop_token_ids=(eos,))) for i, ((_, ids), t) in enumerate(zip(kept, temps))]
+            engine.run()
+            for (p, ids), h, t in zip(kept, handles, temps):
+                ans = h.result()
+                rows.append({"ids": ids + ans, "prompt_len": len(ids), "domain": p["domain"],
+                             "source": p["source"], "temperature": t})
+                new_tokens += len(ans)
+        for b0 in range(0, len(kept) if engine is None else 0, batch_size):
             batch = kept[b0:b0 + batch_size]
             temps = [0.0 if (b0 + i) % 2 == 0 else temperature for i in range(len(batch))]
             out = sj.generate(target, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
@@ -108,6 +130,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--engine-slots", type=int, default=0,
+                    help="> 0: continuous batching through the serving engine with that many slots")
     args = ap.parse_args(argv)
     logging.basicConfig(format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
     import specjax as sj  # noqa: PLC0415
@@ -117,7 +141,7 @@ def main(argv=None) -> None:
     generate_corpus(target, tok, args.out, split=args.split, num_shards=args.shards,
                     first_shard=args.first_shard, shard_size=args.shard_size,
                     batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                    temperature=args.temperature)
+                    temperature=args.temperature, engine_slots=args.engine_slots)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,28 @@ def prepare(target, tok, work: str, num_prompts: int, num_wiki: int, held_out_pr
                                 seq_len=seq_len, aux_layers=aux_layers)
 
 
+def prepare_broad(target, corpus_dir: str, held_out_dir: str, work: str, aux_layers: tuple = (),
+                  shards: int | None = None):
+    """Features of a broad distilled corpus (``specjax.train.distill`` shards): the first
+    ``shards`` train shards (None: all; the data-scale knob) and every held-out shard, stored
+    ragged under ``work/features[-auxA_B_C]/{train,held_out}``. Returns (train, held_out)
+    ``data.RaggedSet``s; held-out rows keep their domain for per-domain metrics."""
+    suffix = "-aux" + "_".join(map(str, aux_layers)) if aux_layers else ""
+    sets = []
+    for split, src, n in (("train", corpus_dir, shards), ("held_out", held_out_dir, None)):
+        files = sorted(glob.glob(os.path.join(src, "answers-*.jsonl")))
+        if not files:
+            raise FileNotFoundError(f"no answers-*.jsonl shards in {src}: run specjax.train.distill")
+        if n is not None:
+            if not 1 <= n <= len(files):
+                raise ValueError(f"shards must be in [1, {len(files)}] (shards in {src}), got {n}")
+            files = files[:n]
+        dirs = data_lib.collect_features(target, files, os.path.join(work, f"features{suffix}", split),
+                                         aux_layers=aux_layers)
+        sets.append(data_lib.RaggedSet(dirs))
+    return tuple(sets)
+
+
 def load_split(work: str, split: str, pattern: str = "*.npz", aux_layers: tuple = ()):
     paths = sorted(glob.glob(os.path.join(_hidden_dir(work, split, aux_layers), pattern)))
     if not paths:
@@ -48,11 +70,22 @@ def load_split(work: str, split: str, pattern: str = "*.npz", aux_layers: tuple 
 
 
 def held_out_eval(loss_fn, trainable, frozen, work: str, tc: trainer.TrainConfig,
-                  aux_layers: tuple = ()):
+                  aux_layers: tuple = (), held=None):
     """Teacher-forced held-out metrics (answer tokens only with ``tc.answer_only``): over all
     held-out sequences, and separately over the self-distilled chat answers (what acceptance is
-    measured on) and the wiki extracts."""
+    measured on) and the wiki extracts; with ``held`` (a broad-corpus ``RaggedSet``) over all of
+    it, its greedy answers, and each domain's greedy answers."""
     out = {}
+    if held is not None:
+        greedy = np.array([t == 0 for t in _temperatures(held)])
+        parts = {"all": held, "greedy": held.subset(greedy)}
+        parts.update({f"domain:{d}": held.subset(greedy & (held.domains == d))
+                      for d in sorted(set(held.domains))})
+        for name, part in parts.items():
+            if len(part) >= tc.batch_size:
+                out[name] = trainer.evaluate(loss_fn, trainable, frozen, part, tc.batch_size,
+                                             tc.seq_len)
+        return out
     for name, pattern in (("all", "*.npz"), ("chat", "corpus-0*.npz"), ("wiki", "corpus-wiki.npz")):
         try:
             data = load_split(work, "held_out", pattern, aux_layers)
@@ -60,6 +93,14 @@ def held_out_eval(loss_fn, trainable, frozen, work: str, tc: trainer.TrainConfig
             continue
         out[name] = trainer.evaluate(loss_fn, trainable, frozen, data, tc.batch_size, tc.seq_len)
     return out
+
+
+def _temperatures(data) -> list:
+    temps = []
+    for d in data.dirs:
+        with open(os.path.join(d, "meta.json")) as f:
+            temps += json.load(f)["temperature"]
+    return [temps[r] for r in data.rows]
 
 
 def acceptance_eval(target, tok, draft, method: str, ks=(1, 3), num_prompts: int = 8,
@@ -123,16 +164,20 @@ def init_trainable_head(target, hcfg, seed: int = 0, vocab=None) -> dict:
 
 
 def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: trainer.TrainConfig,
-               eval_prompts: int = 8, draft_vocab: int = 0, run_name: str | None = None):
+               eval_prompts: int = 8, draft_vocab: int = 0, run_name: str | None = None,
+               data=None):
     """Trains a head; ``draft_vocab`` > 0 restricts it to that many of the most frequent answer
-    tokens of the training data (plus EOS). An EAGLE-3 head (``kind="eagle3"``, hidden states
+    tokens of the training data (plus EOS). ``data``: (train, held_out) ``RaggedSet``s from
+    ``prepare_broad`` (default: the hidden states ``prepare`` left under ``work``);
+    ``eval_prompts`` = 0 skips the decoding-based acceptance check. An EAGLE-3 head (``kind="eagle3"``, hidden states
     from ``prepare(..., aux_layers=default_aux_layers(L))``) is saved in the reference layout
     (``save_eagle3``: vLLM / SGLang load it); the others in specjax's format."""
     from specjax.heads import Head, HeadConfig  # noqa: PLC0415
     from specjax.io.heads_io import save_eagle3, save_head  # noqa: PLC0415
 
     hcfg = HeadConfig.for_target(target.config, kind, norms=norms)
-    train = load_split(work, "train", aux_layers=hcfg.aux_layers)
+    train, held = data if data is not None else (load_split(work, "train", aux_layers=hcfg.aux_layers), None)
+    n_train = len(train) if held is not None else len(train["tokens"])
     vocab = None
     if draft_vocab:
         eos = tok.eos_token_id if isinstance(tok.eos_token_id, int) else None
@@ -156,16 +201,20 @@ def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: tra
     t0 = time.perf_counter()
     run_dir = os.path.join(work, run_name or f"run-{name}")
     params = trainer.fit(loss_fn, params, target.params, train, tc, run_dir, describe=name,
-                         signature={"head": hcfg.to_dict(), "sequences": len(train["tokens"])})
+                         signature={"head": hcfg.to_dict(), "sequences": n_train})
     train_time = time.perf_counter() - t0
-    metrics = held_out_eval(eval_fn, params, target.params, work, tc, hcfg.aux_layers)
+    metrics = held_out_eval(eval_fn, params, target.params, work, tc, hcfg.aux_layers, held)
     head = Head(params=with_vocab(params), config=hcfg)
-    accept = acceptance_eval(target, tok, head, kind, num_prompts=eval_prompts)
+    accept = (acceptance_eval(target, tok, head, kind, num_prompts=eval_prompts)
+              if eval_prompts else None)
+    if held is not None:
+        lens, plens = train.lengths, train.prompt_lens
+    else:
+        lens, plens = train["lengths"], train["prompt_lens"]
     report = {"name": name, "kind": kind, "norms": norms, "draft_vocab": draft_vocab,
               "train_config": dataclasses.asdict(tc),
-              "train_tokens": int(train["lengths"].sum()),
-              "train_answer_tokens": int((train["lengths"] - train["prompt_lens"]).sum()),
-              "train_time_s": train_time,
+              "train_tokens": int(lens.sum()), "train_answer_tokens": int((lens - plens).sum()),
+              "train_sequences": n_train, "train_time_s": train_time,
               "held_out": metrics, "acceptance": accept}
     (save_eagle3 if kind == "eagle3" else save_head)(head, out)
     with open(os.path.join(out, "report.json"), "w") as f:

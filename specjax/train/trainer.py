@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from specjax import heads, kv_cache
 from specjax.model import forward, lm_head, rms_norm
+from specjax.train import data as data_lib
 
 logger = logging.getLogger(__name__)
 
@@ -244,20 +245,12 @@ def _load_state(run_dir: str, template):
 
 
 def _batches(data, tc: TrainConfig, start_step: int):
-    n = len(data["tokens"])
+    n = len(data) if isinstance(data, data_lib.RaggedSet) else len(data["tokens"])
     rng = np.random.RandomState(tc.seed)
     order = np.concatenate([rng.permutation(n) for _ in range(tc.steps * tc.batch_size // n + 2)])
     for step in range(start_step, tc.steps):
         idx = order[step * tc.batch_size:(step + 1) * tc.batch_size]
-        yield step, (data["tokens"][idx, :tc.seq_len], data["lengths"][idx].clip(1, tc.seq_len),
-                     data["hidden"][idx, :tc.seq_len], _prompt_lens(data)[idx])
-
-
-def _prompt_lens(data):
-    """[N] prompt lengths (0 = every position is answer when a dataset has none)."""
-    if "prompt_lens" in data:
-        return np.asarray(data["prompt_lens"], np.int32)
-    return np.zeros((len(data["tokens"]),), np.int32)
+        yield step, data_lib.take(data, idx, tc.seq_len)
 
 
 _RESUME_FREE = ("steps", "save_every", "log_every")  # may change between a run and its resume
@@ -336,15 +329,13 @@ def fit(loss_fn, trainable, frozen, data, tc: TrainConfig, run_dir: str, describ
 def evaluate(loss_fn, trainable, frozen, data, batch_size=8, seq_len=256, max_batches=None):
     """Mean metrics over a held-out hidden-state set (teacher-forced, inference forward)."""
     fn = jax.jit(loss_fn)
-    n = len(data["tokens"])
+    n = len(data) if isinstance(data, data_lib.RaggedSet) else len(data["tokens"])
     sums, count = {}, 0
     for i, b0 in enumerate(range(0, n - batch_size + 1, batch_size)):
         if max_batches is not None and i >= max_batches:
             break
-        sl = slice(b0, b0 + batch_size)
-        _, m = fn(trainable, frozen, jnp.asarray(data["tokens"][sl, :seq_len]),
-                  jnp.asarray(data["lengths"][sl].clip(1, seq_len)), jnp.asarray(data["hidden"][sl, :seq_len]),
-                  jnp.asarray(_prompt_lens(data)[sl]))
+        batch = data_lib.take(data, np.arange(b0, b0 + batch_size), seq_len)
+        _, m = fn(trainable, frozen, *map(jnp.asarray, batch))
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + float(v)
         count += 1
