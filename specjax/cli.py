@@ -389,8 +389,11 @@ def _prepare_training(args):
     if getattr(args, "corpus", None):
         if not args.held_out_corpus:
             raise ValueError("--corpus needs --held-out-corpus (distill --split held_out)")
+        # the three EAGLE-3 layers are stored for every head kind (others read the final
+        # hidden states, the first E features), so one feature collection serves all kinds
         args.data = pipeline.prepare_broad(target, args.corpus, args.held_out_corpus, args.work,
-                                           aux_layers=aux, shards=args.shards)
+                                           aux_layers=default_aux_layers(target.config.num_layers),
+                                           shards=args.shards)
     else:
         pipeline.prepare(target, tok, args.work, args.num_prompts, args.num_wiki,
                          args.held_out_prompts, args.answer_tokens, args.seq_len, aux_layers=aux)
