@@ -595,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     th.add_argument("--norms", choices=["on", "off"], default="on",
                     help="restored RMSNorms (enorm/hnorm/block/final) on or off (EAGLE-1 style)")
     th.add_argument("--corpus", default=None,
-                    help="train on a broad distilled corpus (answers-*.jsonl shards written by "
+                    help="train on a broad distilled corpus (answers-*.jsonl.gz shards written by "
                          "python -m specjax.train.distill) instead of building the small one")
     th.add_argument("--held-out-corpus", default=None,
                     help="with --corpus: distilled held-out shards (distill --split held_out), "

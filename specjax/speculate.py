@@ -123,6 +123,7 @@ class DecodeState:
     # adaptive k (SpecConfig.adaptive; specjax.adaptive):
     acc_hits: jax.Array | None = None  # [K] float32 decayed accepted counts per draft position
     acc_obs: jax.Array | None = None  # [K] float32 decayed reached counts per draft position
+    plain_run: jax.Array | None = None  # [] int32 consecutive steps that drafted nothing
     cost: jax.Array | None = None  # [K+1] float32 cost of a k-step relative to a plain step
     k_hist: jax.Array | None = None  # [K+1] int32 steps that chose each k
     # lazy drafter upkeep over plain steps (adaptive, methods with a drafter; module docstring):
@@ -293,7 +294,7 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
         extra = init_lag(lc, draft_cfg, b, lag_window, kv_dtype)
         state = dataclasses.replace(
             state, acc_hits=jnp.zeros((kk,), jnp.float32), acc_obs=jnp.zeros((kk,), jnp.float32),
-            cost=jnp.asarray(cost, jnp.float32).reshape(kk + 1), k_hist=jnp.zeros((kk + 1,), jnp.int32),
+            plain_run=jnp.zeros((), jnp.int32), cost=jnp.asarray(cost, jnp.float32).reshape(kk + 1), k_hist=jnp.zeros((kk + 1,), jnp.int32),
             **extra)
     out, num_out, done = _emit(state, first[:, None], jnp.ones((b,), jnp.int32), rp)
     return dataclasses.replace(state, out_tokens=out, num_out=num_out, done=done)
@@ -603,7 +604,7 @@ def _adaptive_step(target_params, target_cfg, draft_params, draft_cfg, state: De
 
     Returns (state, a [B], drafted [B])."""
     kmax = lc.k_eff
-    k = adaptive.choose_k(state.acc_hits, state.acc_obs, state.cost)
+    k = adaptive.choose_k(state.acc_hits, state.acc_obs, state.cost, state.plain_run)
     # Branch k: the static k-variant (branch 0: a plain step that keeps the drafter current).
     branches = [functools.partial(_fixed_step, target_params, target_cfg, draft_params, draft_cfg,
                                   rp=rp, lc=dataclasses.replace(lc, num_draft_tokens=max(kv, 1), adaptive=False))
@@ -612,9 +613,10 @@ def _adaptive_step(target_params, target_cfg, draft_params, draft_cfg, state: De
                                     draft_cfg, rp=rp, lc=dataclasses.replace(lc, adaptive=False))
     new, a, drafted = lax.switch(k, branches, state)
     k_used = jnp.max(jnp.where(~state.done, drafted, 0))  # 0 when n-gram fell back to plain
-    hits, obs = adaptive.update(state.acc_hits, state.acc_obs, a, k_used,
-                                ~state.done & (drafted > 0))
-    return (dataclasses.replace(new, acc_hits=hits, acc_obs=obs, k_hist=state.k_hist.at[k].add(1)),
+    hits, obs, plain_run = adaptive.update(state.acc_hits, state.acc_obs, state.plain_run, a,
+                                           k_used, ~state.done & (drafted > 0))
+    return (dataclasses.replace(new, acc_hits=hits, acc_obs=obs, plain_run=plain_run,
+                                k_hist=state.k_hist.at[k].add(1)),
             a, drafted)
 
 

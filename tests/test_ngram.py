@@ -304,14 +304,78 @@ def test_adaptive_distribution_matches_target(dist_pair, fixed_costs):
 def test_choose_k_follows_acceptance_and_cost():
     cost = jnp.asarray([1.0, 1.3, 1.45, 1.6])
     sure = jnp.full((3,), 50.0)
-    assert int(adaptive.choose_k(sure, sure, cost)) == 3  # everything accepted: longest k
+    run0 = jnp.zeros((), jnp.int32)
+    assert int(adaptive.choose_k(sure, sure, cost, run0)) == 3  # everything accepted: longest k
     none = jnp.zeros((3,))
-    assert int(adaptive.choose_k(none, sure, cost)) == 0  # nothing accepted: plain steps
-    assert int(adaptive.choose_k(sure, sure, jnp.asarray([1.0, 9.0, 9.0, 9.0]))) == 0
-    hits, obs = adaptive.update(none, none, jnp.asarray([0, 2, 1]), jnp.asarray(2),
-                                jnp.asarray([True, True, False]))
+    assert int(adaptive.choose_k(none, sure, cost, run0)) == 0  # nothing accepted: plain steps
+    assert int(adaptive.choose_k(sure, sure, jnp.asarray([1.0, 9.0, 9.0, 9.0]), run0)) == 0
+    hits, obs, run = adaptive.update(none, none, run0, jnp.asarray([0, 2, 1]), jnp.asarray(2),
+                                     jnp.asarray([True, True, False]))
     np.testing.assert_allclose(hits, [0.5, 0.5, 0.0])  # row 1 accepted positions 1 and 2
     np.testing.assert_allclose(obs, [1.0, 0.5, 0.0])  # row 0 never reached position 2
+    assert int(run) == 0
+
+
+def test_plain_steps_keep_the_estimate_and_probe_on_schedule():
+    cost = jnp.asarray([1.0, 1.3, 1.45, 1.6])
+    hits, obs = jnp.asarray([0.2, 0.0, 0.0]), jnp.asarray([9.0, 0.2, 0.0])
+    run = jnp.zeros((), jnp.int32)
+    for step in range(adaptive.PROBE_EVERY):
+        assert int(adaptive.choose_k(hits, obs, cost, run)) == 0, step  # a losing draft
+        new_hits, new_obs, run = adaptive.update(hits, obs, run, jnp.zeros((2,), jnp.int32),
+                                                 jnp.asarray(0), jnp.ones((2,), bool))
+        np.testing.assert_array_equal(new_hits, hits)  # a plain step observes nothing
+        np.testing.assert_array_equal(new_obs, obs)
+    assert int(run) == adaptive.PROBE_EVERY
+    assert int(adaptive.choose_k(hits, obs, cost, run)) == 1  # the probe: best k >= 1
+    _, _, run = adaptive.update(hits, obs, run, jnp.zeros((2,), jnp.int32), jnp.asarray(1),
+                                jnp.ones((2,), bool))
+    assert int(run) == 0  # a drafting step restarts the count
+
+
+@jax.jit
+def _sim_step(carry, u, alpha, cost):
+    """One step of adaptive k against a draft whose every position is accepted w.p. alpha."""
+    hits, obs, run = carry
+    k = adaptive.choose_k(hits, obs, cost, run)
+    pos = jnp.arange(hits.shape[0])
+    accepted = jnp.sum(jnp.cumprod((u < alpha) & (pos < k)))  # leading accepted drafts
+    hits, obs, run = adaptive.update(hits, obs, run, accepted[None].astype(jnp.int32), k,
+                                     jnp.ones((1,), bool))
+    return (hits, obs, run), k, accepted
+
+
+def _simulate(alpha, steps=400, seed=0):
+    cost = jnp.asarray([1.0, 1.22, 1.49, 1.67])  # the MTP head's measured k-step costs (CPU)
+    carry = (jnp.zeros((3,)), jnp.zeros((3,)), jnp.zeros((), jnp.int32))
+    rng = np.random.default_rng(seed)
+    tokens = cost_total = 0.0
+    ks = []
+    for _ in range(steps):
+        carry, k, a = _sim_step(carry, jnp.asarray(rng.random(3)), alpha, cost)
+        ks.append(int(k))
+        tokens += 1 + int(a)
+        cost_total += float(cost[int(k)])
+    return np.asarray(ks), tokens / cost_total
+
+
+def test_mediocre_draft_survives_a_run_of_rejections():
+    # alpha 0.33 pays at k = 1 (1.33 / 1.22 = 1.09 tokens per unit cost) but a few rejections in
+    # a row push a forgetful estimate below break-even (0.22), and plain steps never bring it
+    # back: the rule must keep drafting on nearly every step and earn what k = 1 earns.
+    ks, rate = _simulate(0.33)
+    assert np.mean(ks >= 1) > 0.9, np.bincount(ks)
+    assert rate > 0.97 * (1.33 / 1.22), rate
+
+
+def test_adaptive_probes_a_losing_draft_on_schedule():
+    ks, rate = _simulate(0.0, steps=330)
+    drafting = np.flatnonzero(ks >= 1)
+    # a handful of steps to learn, then one probe per PROBE_EVERY + 1 steps, never more
+    assert len(drafting) <= 6 + 330 // (adaptive.PROBE_EVERY + 1), drafting
+    assert len(drafting) >= 330 // (adaptive.PROBE_EVERY + 1) - 1, drafting  # probes happen
+    assert np.all(np.diff(drafting[-4:]) == adaptive.PROBE_EVERY + 1), drafting
+    assert rate > 0.97, rate
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -1,5 +1,6 @@
 """Training on precomputed hidden states: heads and draft LLMs learn, save, load and draft."""
 
+import gzip
 import json
 import os
 
@@ -10,6 +11,7 @@ import pytest
 import specjax as sj
 from specjax.heads import HeadConfig, init_head
 from specjax.train import data as data_lib
+from specjax.train import distill
 from specjax.train import trainer
 from tests.conftest import tiny_model
 
@@ -346,11 +348,12 @@ def test_ragged_features_match_padded_and_crop_from_the_front(setup, tmp_path):
     target, data, work = setup
     aux = (0, 2)
     rows = [json.loads(line) for line in open(work / "corpus" / "corpus-00000.jsonl")]
-    src = tmp_path / "answers-00000.jsonl"
-    with open(src, "w") as f:
+    src = tmp_path / "answers-00000.jsonl.gz"  # distill's shard format
+    with gzip.open(src, "wt") as f:
         for i, r in enumerate(rows):
             f.write(json.dumps(dict(r, domain="ab"[i % 2], source=str(i),
                                     temperature=0.0)) + "\n")
+    assert distill.shard_files(str(tmp_path)) == [str(src)]
     dirs = data_lib.collect_features(target, [str(src)], str(tmp_path / "feat"), aux_layers=aux,
                                      buckets=(16, 32), batch_tokens=96)
     padded = data_lib.load_hidden(data_lib.collect_hidden(

@@ -83,6 +83,7 @@ class SlotState:
     # adaptive k (one running estimate for the engine; speculate.DecodeState has the meaning):
     acc_hits: jax.Array | None = None  # [K] float32
     acc_obs: jax.Array | None = None  # [K] float32
+    plain_run: jax.Array | None = None  # [] int32
     k_hist: jax.Array | None = None  # [K+1] int32
     lag: jax.Array | None = None  # [S+1] int32 pending drafter positions (lazy upkeep)
     lag_tokens: jax.Array | None = None  # [S+1, W] int32
@@ -108,7 +109,7 @@ def init_state(target_cfg, draft_cfg, sc: StepConfig, num_pages: int, dtype) -> 
     if lc.adaptive:
         kk = lc.k_eff
         extra.update(acc_hits=jnp.zeros((kk,), jnp.float32), acc_obs=jnp.zeros((kk,), jnp.float32),
-                     k_hist=jnp.zeros((kk + 1,), jnp.int32))
+                     plain_run=jnp.zeros((), jnp.int32), k_hist=jnp.zeros((kk + 1,), jnp.int32))
         extra.update(speculate.init_lag(lc, draft_cfg, s1, speculate.LAG_WINDOW, dtype))
     return SlotState(target_kv=target_kv, draft_kv=draft_kv, lengths=jnp.ones((s1,), jnp.int32),
                      last_token=jnp.zeros((s1,), jnp.int32), draft_logits=draft_logits,
@@ -282,12 +283,13 @@ def _spec_decode(target_params, draft_params, state: SlotState, meta, cost=None,
         done=~valid, step=jnp.zeros((), jnp.int32), row_keys=_row_keys(cols["seed"], n),
         accepted_per_pos=jnp.zeros((lc.k_eff,), jnp.int32), row_steps=jnp.zeros((), jnp.int32),
         history=rows(state.history), acc_hits=state.acc_hits, acc_obs=state.acc_obs,
-        cost=cost, k_hist=state.k_hist, lag=rows(state.lag), lag_tokens=rows(state.lag_tokens),
+        plain_run=state.plain_run, cost=cost, k_hist=state.k_hist, lag=rows(state.lag), lag_tokens=rows(state.lag_tokens),
         lag_feats=rows(state.lag_feats))
     ds, drafted = speculate.spec_step_counted(target_params, target_cfg, draft_params, draft_cfg,
                                               ds, _row_params(cols, k1), lc)
     state = dataclasses.replace(state, target_kv=ds.target_kv, draft_kv=ds.draft_kv,
-                                acc_hits=ds.acc_hits, acc_obs=ds.acc_obs, k_hist=ds.k_hist)
+                                acc_hits=ds.acc_hits, acc_obs=ds.acc_obs,
+                                plain_run=ds.plain_run, k_hist=ds.k_hist)
     updates = dict(lengths=ds.lengths, last_token=ds.last_token, draft_logits=ds.draft_logits,
                    head_hidden=ds.head_hidden, history=ds.history, lag=ds.lag,
                    lag_tokens=ds.lag_tokens, lag_feats=ds.lag_feats)

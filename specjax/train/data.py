@@ -10,7 +10,7 @@ code that serves) over every sequence; stores tokens, lengths and pre-norm final
 (float16) per shard as .npz. Teacher logits are recomputed from the hidden states through the
 frozen lm_head at training time, so nothing V-sized is stored.
 
-Broad corpus (``specjax.train.distill`` shards, ``answers-XXXXX.jsonl``): ``collect_features``
+Broad corpus (``specjax.train.distill`` shards, ``answers-XXXXX.jsonl.gz``): ``collect_features``
 stores each shard *ragged* (no padding: tokens [Ntok], offsets [N+1], hidden [Ntok, F] float16,
 one .npy each, so they are memory-mapped, not loaded) with the domain of every row, and
 ``RaggedSet`` serves training batches from many such shards: ``take(idx, seq_len)`` pads each
@@ -21,6 +21,7 @@ loses the start of a long prompt).
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import os
 import logging
@@ -87,7 +88,8 @@ def build_corpus(target: Model, tok, out_dir: str, *, num_prompts: int = 1024,
 
 
 def _read_jsonl(path):
-    with open(path) as f:
+    """Rows of a ``.jsonl`` or gzipped ``.jsonl.gz`` file."""
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -177,7 +179,7 @@ def collect_features(target: Model, corpus_files: list[str], out_dir: str, *,
 
     outs = []
     for src in corpus_files:
-        dst = os.path.join(out_dir, os.path.basename(src).replace(".jsonl", ""))
+        dst = os.path.join(out_dir, os.path.basename(src).split(".")[0])
         outs.append(dst)
         if os.path.exists(os.path.join(dst, "meta.json")):
             continue

@@ -5,19 +5,22 @@ order, cuts them into shards of ``shard_size``, and for each missing shard runs 
 fused decoding loop (``sj.generate``) at a high batch size: prompts sorted by length inside the
 shard (less padding), half of each batch greedy and half sampled at ``temperature``, so a head
 sees both the target's argmax continuations and its spread. A shard is written atomically as
-``answers-XXXXX.jsonl`` (one row per prompt: ids, prompt_len, domain, source, temperature),
-so the job can be stopped at any time and restarted with the same command; it runs for days
-if need be, a few shards per session. Progress (answers, new tokens, tokens/s) goes to stderr.
+``answers-XXXXX.jsonl.gz`` (gzip, one JSON row per prompt: ids, prompt_len, domain, source,
+temperature; ~30k answer tokens in ~100 KB), so the job can be stopped at any time and restarted
+with the same command; it runs for days if need be, a few shards per session. The shards are
+small enough to commit (``checkpoints/corpus/``), which is how a corpus outlives the machine it
+was generated on. Progress (answers, new tokens, tokens/s) goes to stderr.
 
 Run it in the background, at low priority so it only takes idle CPU::
 
-    nice -n 19 python -m specjax.train.distill --out data/broad --split train --shards 40
+    nice -n 19 python -m specjax.train.distill --out checkpoints/corpus/broad --split train
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import gzip
 import json
 import logging
 import os
@@ -29,16 +32,26 @@ log = logging.getLogger("specjax.distill")
 
 
 def shard_path(out_dir: str, i: int) -> str:
-    return os.path.join(out_dir, f"answers-{i:05d}.jsonl")
+    return os.path.join(out_dir, f"answers-{i:05d}.jsonl.gz")
+
+
+def shard_files(out_dir: str) -> list[str]:
+    """The finished shards of a corpus directory in shard order (``.jsonl.gz``, or plain
+    ``.jsonl`` written by older versions)."""
+    paths = glob.glob(os.path.join(out_dir, "answers-*.jsonl")) + glob.glob(
+        os.path.join(out_dir, "answers-*.jsonl.gz"))
+    return sorted(paths, key=lambda p: os.path.basename(p).split(".")[0])
+
+
+def read_rows(path: str) -> list[dict]:
+    """The rows of one shard (``.jsonl`` or ``.jsonl.gz``)."""
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def read_shards(out_dir: str) -> list[dict]:
     """Every finished row of a corpus directory, in shard order."""
-    rows = []
-    for path in sorted(glob.glob(os.path.join(out_dir, "answers-*.jsonl"))):
-        with open(path) as f:
-            rows += [json.loads(line) for line in f if line.strip()]
-    return rows
+    return [r for path in shard_files(out_dir) for r in read_rows(path)]
 
 
 def generate_corpus(target, tok, out_dir: str, *, split: str = "train", num_shards: int | None = None,
@@ -79,7 +92,7 @@ def generate_corpus(target, tok, out_dir: str, *, split: str = "train", num_shar
     for s in range(first_shard, last):
         path = shard_path(out_dir, s)
         paths.append(path)
-        if os.path.exists(path):
+        if os.path.exists(path) or os.path.exists(path[:-len(".gz")]):
             continue
         chunk = prompts[s * shard_size:(s + 1) * shard_size]
         encoded = [(p, tok.apply_chat_template(p["messages"])) for p in chunk]
@@ -108,9 +121,8 @@ def generate_corpus(target, tok, out_dir: str, *, split: str = "train", num_shar
                 rows.append({"ids": ids + ans, "prompt_len": len(ids), "domain": p["domain"],
                              "source": p["source"], "temperature": t})
                 new_tokens += len(ans)
-        with open(path + ".tmp", "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        with open(path + ".tmp", "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows).encode())
         os.replace(path + ".tmp", path)
         dt = time.perf_counter() - t0
         log.warning("%s: %d answers (%d prompts too long), %d new tokens in %.0fs (%.0f tokens/s, "
@@ -121,7 +133,7 @@ def generate_corpus(target, tok, out_dir: str, *, split: str = "train", num_shar
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="corpus directory (answers-XXXXX.jsonl shards)")
+    ap.add_argument("--out", required=True, help="corpus directory (answers-XXXXX.jsonl.gz shards)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--split", default="train", choices=("train", "held_out"))
     ap.add_argument("--shards", type=int, default=None, help="how many shards (default: all)")

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.train import data as data_lib
+from specjax.train import distill
 from specjax.train import trainer
 
 
@@ -49,9 +50,9 @@ def prepare_broad(target, corpus_dir: str, held_out_dir: str, work: str, aux_lay
     suffix = "-aux" + "_".join(map(str, aux_layers)) if aux_layers else ""
     sets = []
     for split, src, n in (("train", corpus_dir, shards), ("held_out", held_out_dir, None)):
-        files = sorted(glob.glob(os.path.join(src, "answers-*.jsonl")))
+        files = distill.shard_files(src)
         if not files:
-            raise FileNotFoundError(f"no answers-*.jsonl shards in {src}: run specjax.train.distill")
+            raise FileNotFoundError(f"no answers-*.jsonl[.gz] shards in {src}: run specjax.train.distill")
         if n is not None:
             if not 1 <= n <= len(files):
                 raise ValueError(f"shards must be in [1, {len(files)}] (shards in {src}), got {n}")
