@@ -27,6 +27,7 @@ def gpu_check():
     return _load("gpu_check")
 
 
+@pytest.mark.slow
 def test_gpu_check_cpu_smoke(gpu_check, tmp_path):
     data = gpu_check.main(["--cpu-smoke", "--out", str(tmp_path), "--only",
                            "env,bandwidth,smoke,synthetic,smollm2"])
@@ -107,6 +108,7 @@ def _check_timed(d: dict, rounds: int) -> None:
     assert t["rounds"] == rounds and 0 < t["min"] <= t["median"] <= t["max"]
 
 
+@pytest.mark.slow
 def test_bench_tree_tiny(tmp_path):
     mod = _load("bench_tree")
     out = tmp_path / "tree.json"
@@ -129,6 +131,7 @@ def test_bench_tree_tiny(tmp_path):
         mod.main(["--tiny", "--rounds", "0"])
 
 
+@pytest.mark.slow
 def test_bench_engine_tiny(tmp_path):
     mod = _load("bench_engine")
     out = tmp_path / "engine.json"

@@ -62,6 +62,7 @@ def test_help_for_every_command(capsys):
     assert "assistant_model" in out  # convert says what --to hf is for
 
 
+@pytest.mark.slow
 def test_generate_stream_matches_one_run(tiny_dirs, capsys):
     """--stream goes through the engine: the same greedy tokens as one batched run, each prompt
     prefilled once (one ordinary step per prompt, the rest speculative), text printed per prompt."""
@@ -113,6 +114,7 @@ def test_convert_round_trips(tiny_dirs, tmp_path, capsys):
     assert cli.main(["convert", "/nonexistent", str(tmp_path / "x"), "--no-progress"]) == 2
 
 
+@pytest.mark.slow
 def test_bench_specjax_only_json(tiny_dirs, capsys):
     target, draft = tiny_dirs
     rc = cli.main(["bench", "--model", target, "--tokenizer", "smollm2-135m", "--draft", draft,

@@ -216,6 +216,7 @@ def test_latent_cache_bytes_per_token(v3):
     assert deepseek.expanded_bytes_per_token(full) / (576 * 4) == pytest.approx(128 * 320 / 576)
 
 
+@pytest.mark.slow
 def test_micro_batched_verify_matches_single_batch(v3, plain):
     """moe_micro_batches=2: the 2·D-token verify (and every forward) runs the MoE as two halves;
     outputs equal the single batch."""

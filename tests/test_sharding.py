@@ -126,6 +126,7 @@ def _check_record(r):
     assert r["pool_shard_shape"] == [hkv // r["tp"], pages // r["dp"], s, d]
 
 
+@pytest.mark.slow
 def test_sharded_generation_matches_one_device(launcher):
     """(tp=8), (tp=4, dp=2), (tp=2, dp=4) x plain / draft-target / MTP: greedy tokens identical,
     target and draft logits within fp32 tolerance, no weight or cache gathers in the loop."""

@@ -291,8 +291,8 @@ def small_vocab_target():
 FULL_TREE = TreeConfig(kind="static", parents=tuple([0] * V + [1 + i // V for i in range(V * V)]))
 
 
-@pytest.mark.parametrize("tc", [FULL_TREE, TreeConfig(depth=3, top_k=3, num_nodes=9)],
-                         ids=["full", "dynamic"])
+@pytest.mark.parametrize("tc", [pytest.param(FULL_TREE, marks=pytest.mark.slow, id="full"),
+                                pytest.param(TreeConfig(depth=3, top_k=3, num_nodes=9), id="dynamic")])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_kv_compaction_matches_fresh_prefill(small_vocab_target, tc, temperature):
     """After several tree steps the target cache, continued by one more token, gives the same
@@ -365,7 +365,7 @@ def _tree_tokens(target, tc, prompt):
     return cells_of(out.tokens, target.config.vocab_size), out
 
 
-@pytest.mark.parametrize("case", ["static_depth2", "dynamic_depth3"])
+@pytest.mark.parametrize("case", [pytest.param("static_depth2", marks=pytest.mark.slow), "dynamic_depth3"])
 def test_distribution_matches_target(dist_targets, case):
     """Tokens from the fused tree loop are distributed as the target's own sampler (several
     children per node, chi-square at ALPHA), the bonus after full-depth paths included."""
