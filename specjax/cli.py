@@ -83,15 +83,21 @@ def _spec_kw(args, method, adaptive=None, k=None) -> dict:
                 adaptive=adaptive and method != "eagle-tree")
 
 
+def _generate_kwargs(args, draft, method, adaptive=None, k=None) -> dict:
+    """The ``sj.generate`` keyword arguments of the command-line settings."""
+    kw = dict(max_new_tokens=args.max_new_tokens, draft=draft, method=method,
+              num_draft_tokens=args.k, temperature=args.temperature, top_k=args.top_k,
+              top_p=args.top_p, seed=args.seed, tree=_tree(args, method))
+    kw.update(_spec_kw(args, method, adaptive, k))
+    return kw
+
+
 def _run(target, prompts, draft, args, method, warmup: bool = True, bar=None, adaptive=None,
          k=None):
     """One generation; with ``warmup`` a first run compiles so the second is timed cleanly."""
     import specjax as sj  # noqa: PLC0415
 
-    kw = dict(max_new_tokens=args.max_new_tokens, draft=draft, method=method,
-              num_draft_tokens=args.k, temperature=args.temperature, top_k=args.top_k,
-              top_p=args.top_p, seed=args.seed, tree=_tree(args, method))
-    kw.update(_spec_kw(args, method, adaptive, k))
+    kw = _generate_kwargs(args, draft, method, adaptive, k)
     label = ("plain" if method == "none" else method) + (" adaptive" if kw.get("adaptive") else "")
     if warmup:
         if bar is not None:
@@ -159,45 +165,76 @@ def stream_generate(target, tok, prompts, draft, args, method, write, begin=None
 
 
 def cmd_demo(args) -> int:
+    import specjax as sj  # noqa: PLC0415
+    from specjax import bench  # noqa: PLC0415
+
+    if args.rounds < 1:
+        raise SystemExit(f"specjax demo: --rounds must be >= 1, got {args.rounds}")
     target, tok, draft = _load(args)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in DEMO_PROMPTS]
     k_adapt = max(args.k, 3)  # adaptive speculation picks k in 0..k_adapt every step
-    with _bar(6, "demo", args.progress) as bar:  # plain, fixed k, adaptive: warm-up + timed each
-        plain = _run(target, prompts, None, args, "none", bar=bar)
-        spec = _run(target, prompts, draft, args, args.method, bar=bar)
-        adapt = _run(target, prompts, draft, args, args.method, bar=bar, adaptive=True, k=k_adapt)
+    kws = {"plain": _generate_kwargs(args, None, "none"),
+           "speculative": _generate_kwargs(args, draft, args.method),
+           "adaptive": _generate_kwargs(args, draft, args.method, adaptive=True, k=k_adapt)}
+    # plain, fixed k and adaptive: a warm-up (compile) each, then interleaved timed rounds
+    with _bar(3 * (1 + args.rounds), "demo", args.progress) as bar:
+        def runner(name):
+            def run():
+                bar.set_postfix_str(name)
+                out = sj.generate(target, prompts, **kws[name])
+                bar.update(1)
+                return out
+            return run
+        timed = bench.interleaved_rounds({n: runner(n) for n in kws}, rounds=args.rounds)
+    plain, spec, adapt = (timed[n]["result"] for n in kws)
+    speedup = {n: bench.paired_speedup(timed["plain"]["wall_s"], timed[n]["wall_s"])
+               for n in ("speculative", "adaptive")}
+    tps = {n: bench.spread([timed[n]["result"].stats["generated_tokens"] / w
+                            for w in timed[n]["wall_s"]]) for n in kws}
+    foreign = bench.max_foreign(*timed.values())
+    timing = {"rounds": args.rounds, "tokens_per_second": tps, "speedup": speedup,
+              "max_foreign_cpu": foreign,
+              "note": "interleaved rounds after one warm-up each (compilation excluded); "
+                      "median, min, max over rounds"}
     same = plain.tokens == spec.tokens
     if args.json == "-":
         _write_json({"answers": [tok.decode(t).strip() for t in spec.tokens],
                      "prompts": list(DEMO_PROMPTS), "plain": plain.stats, "speculative": spec.stats,
                      "adaptive": adapt.stats, "identical": same,
                      "adaptive_identical": plain.tokens == adapt.tokens, "draft": args.draft_name,
-                     "speedup": spec.stats["tokens_per_second"] / plain.stats["tokens_per_second"]},
-                    "-")
+                     "speedup": speedup["speculative"]["median"], "timing": timing}, "-")
         return 0
+
+    def fmt(x, unit=""):
+        return f"{x['median']:.2f}{unit} [{x['min']:.2f}..{x['max']:.2f}]"
+
     for q, toks in zip(DEMO_PROMPTS, spec.tokens):
         print(f"\n### {q}\n{tok.decode(toks).strip()}")
-    s, p = spec.stats, plain.stats
+    s = spec.stats
     print(f"\n--- speculative decoding (method {args.method}, draft {args.draft_name}, k={args.k}, "
           f"temperature {args.temperature:.2g}) ---")
     print(f"outputs identical to plain decoding: {same}")
     print(f"acceptance rate            {s['acceptance_rate']:.3f}")
     print(f"mean accepted length       {s['mean_accepted_length']:.2f} tokens / target step")
     print("acceptance per position    " + " ".join(f"{x:.2f}" for x in s["per_position_acceptance"]))
-    print(f"plain tokens/s             {p['tokens_per_second']:.1f}")
-    print(f"speculative tokens/s       {s['tokens_per_second']:.1f}")
-    print(f"speedup                    {s['tokens_per_second'] / p['tokens_per_second']:.2f}x")
+    print(f"plain tokens/s             {fmt(tps['plain'])}")
+    print(f"speculative tokens/s       {fmt(tps['speculative'])}")
+    print(f"speedup                    {fmt(speedup['speculative'], 'x')}")
     a = adapt.stats
     print(f"\n--- adaptive speculation (k chosen on device each step in 0..{k_adapt}) ---")
     print(f"outputs identical to plain decoding: {plain.tokens == adapt.tokens}")
     print("steps per chosen k         " + "  ".join(f"k={i}: {c}" for i, c in
                                                     enumerate(a["k_histogram"])))
     print(f"mean accepted length       {a['mean_accepted_length']:.2f} tokens / target step")
-    print(f"adaptive tokens/s          {a['tokens_per_second']:.1f}")
-    print(f"speedup                    {a['tokens_per_second'] / p['tokens_per_second']:.2f}x")
+    print(f"adaptive tokens/s          {fmt(tps['adaptive'])}")
+    print(f"speedup                    {fmt(speedup['adaptive'], 'x')}")
+    load = "unknown" if foreign is None else f"{100 * foreign:.0f}%"
+    print(f"\ntimes: median [min..max] of {args.rounds} interleaved rounds after a warm-up each; "
+          f"largest CPU share used by other processes during a timed run: {load}"
+          + (" (a busy machine: the speedups are not meaningful)" if foreign and foreign > 0.1 else ""))
     if args.json:
-        _write_json({"plain": p, "speculative": s, "adaptive": a, "identical": same,
-                     "draft": args.draft_name}, args.json)
+        _write_json({"plain": plain.stats, "speculative": s, "adaptive": a, "identical": same,
+                     "draft": args.draft_name, "timing": timing}, args.json)
     return 0
 
 
@@ -475,12 +512,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     demo = sub.add_parser(
         "demo", help="SmolLM2 + shipped draft on chat prompts: answers, acceptance, speedup",
-        description="Runs plain and speculative decoding on three chat prompts (each compiled by "
-                    "a warm-up run, then timed) and prints the answers, acceptance per draft "
-                    "position, tokens/s of both and the speedup.")
+        description="Runs plain, speculative and adaptive decoding on three chat prompts (each "
+                    "compiled by a warm-up run, then timed in --rounds interleaved rounds) and "
+                    "prints the answers, acceptance per draft position, tokens/s and the speedup "
+                    "as median [min..max] with the other processes' CPU use.")
     _common(demo)
     demo.add_argument("--method", choices=["draft", "mtp", "eagle", "ngram"], default=None,
                       help="default: the best shipped draft (MTP head first)")
+    demo.add_argument("--rounds", type=int, default=3,
+                      help="timed rounds, interleaved plain / speculative / adaptive (default 3)")
 
     gen = sub.add_parser(
         "generate", help="generate from prompts (plain or speculative), optionally streamed",

@@ -149,3 +149,24 @@ def test_generate_eagle_tree_with_a_head_checkpoint(tiny_dirs, tmp_path, capsys)
     tree = json.loads(capsys.readouterr().out)
     assert tree["tokens"] == plain["tokens"]
     assert tree["stats"]["method"] == "eagle-tree" and tree["stats"]["num_draft_tokens"] == 3
+
+
+def test_demo_times_interleaved_rounds(tiny_dirs, capsys):
+    """The demo's speedups come from interleaved rounds (median, min, max, foreign CPU), and its
+    speculative and adaptive answers equal plain decoding."""
+    target, draft = tiny_dirs
+    rc = cli.main(["demo", "--model", target, "--tokenizer", "smollm2-135m", "--draft", draft,
+                   "--method", "draft", "-k", "2", "--max-new-tokens", "6", "--rounds", "3",
+                   "--json", "-", "--no-progress"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["identical"] and out["adaptive_identical"]
+    timing = out["timing"]
+    assert timing["rounds"] == 3
+    for name in ("speculative", "adaptive"):
+        sp = timing["speedup"][name]
+        assert sp["rounds"] == 3 and 0 < sp["min"] <= sp["median"] <= sp["max"]
+    assert out["speedup"] == timing["speedup"]["speculative"]["median"]
+    assert set(timing["tokens_per_second"]) == {"plain", "speculative", "adaptive"}
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--model", target, "--tokenizer", "smollm2-135m", "--rounds", "0"])
