@@ -180,7 +180,8 @@ def _run_steps(target, draft, lc, steps, cost=None, lag_window=speculate.LAG_WIN
     return state
 
 
-@pytest.mark.parametrize("mode", ["hybrid", "adaptive", pytest.param("adaptive-window", marks=pytest.mark.slow),
+@pytest.mark.parametrize("mode", ["hybrid", pytest.param("adaptive", marks=pytest.mark.slow),
+                                  pytest.param("adaptive-window", marks=pytest.mark.slow),
                                   "adaptive-mtp-window"])
 def test_carried_draft_state_equals_teacher_forcing(tiny_pair, mode):
     """After hybrid steps (n-gram rows' accepted drafts written by the catch-up) or adaptive
