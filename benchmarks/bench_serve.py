@@ -31,6 +31,8 @@ import time
 
 import numpy as np
 
+from specjax.bench import Timer
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = os.path.join(ROOT, "benchmarks", "data", "smollm2_prompts.json")
 
@@ -194,7 +196,9 @@ def bench_mode(args, spec: bool, prompts: list, workdir: str) -> dict:
         rows = []
         for rate in args.rates:
             before = httpx.get(url + "/stats", timeout=30).json()
-            row = asyncio.run(run_rate(url, prompts, rate, args))
+            with Timer(own_pids=() if proc is None else (proc.pid,)) as timer:
+                row = asyncio.run(run_rate(url, prompts, rate, args))
+            row["foreign_cpu"] = timer.foreign  # CPU share used by processes other than ours
             after = httpx.get(url + "/stats", timeout=30).json()
             d = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
             a = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
@@ -204,7 +208,8 @@ def bench_mode(args, spec: bool, prompts: list, workdir: str) -> dict:
                   f"{row['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
                   f"{(row['ttft_ms'] or {}).get('p50', float('nan')):.1f} ms, ITL p50 "
                   f"{(row['itl_ms'] or {}).get('p50', float('nan')):.1f} ms, "
-                  f"accepted length {row['mean_accepted_length']}", file=sys.stderr, flush=True)
+                  f"accepted length {row['mean_accepted_length']}, foreign CPU "
+                  f"{row['foreign_cpu']}", file=sys.stderr, flush=True)
         return {"spec": spec, "method": args.method if spec else "none", "rows": rows}
     finally:
         if proc is not None:
@@ -214,16 +219,18 @@ def bench_mode(args, spec: bool, prompts: list, workdir: str) -> dict:
 
 def table(results: list) -> str:
     lines = ["| mode | rate (req/s) | done | req/s | out tok/s | TTFT p50 / p99 ms | "
-             "ITL p50 / p99 ms | TPOT p50 ms | accepted len |", "|" + "---|" * 9]
+             "ITL p50 / p99 ms | TPOT p50 ms | accepted len | foreign CPU |", "|" + "---|" * 10]
     for res in results:
         for r in res["rows"]:
             def p(key, q):
                 return f"{r[key][q]:.1f}" if r[key] else "-"
             acc = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] else "-"
+            fc = "-" if r.get("foreign_cpu") is None else f"{100 * r['foreign_cpu']:.0f}%"
             lines.append(f"| {res['method']} | {r['rate']} | {r['completed']} | "
                          f"{r['request_throughput']:.2f} | {r['output_tokens_per_s']:.1f} | "
                          f"{p('ttft_ms', 'p50')} / {p('ttft_ms', 'p99')} | "
-                         f"{p('itl_ms', 'p50')} / {p('itl_ms', 'p99')} | {p('tpot_ms', 'p50')} | {acc} |")
+                         f"{p('itl_ms', 'p50')} / {p('itl_ms', 'p99')} | {p('tpot_ms', 'p50')} | {acc} | "
+                         f"{fc} |")
     return "\n".join(lines)
 
 

@@ -64,16 +64,35 @@ def _busy_s():
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def _process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used, or 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class Timer:
-    """Wall time of a block, and the share of the usable CPUs other processes used meanwhile."""
+    """Wall time of a block, and the share of the usable CPUs other processes used meanwhile.
+
+    ``own_pids``: processes that belong to the measurement (e.g. a server the benchmark started);
+    their CPU time counts as ours, not as foreign load."""
+
+    def __init__(self, own_pids=()):
+        self.own_pids = tuple(own_pids)
+
+    def _own_s(self) -> float:
+        return time.process_time() + sum(_process_cpu_s(p) for p in self.own_pids)
 
     def __enter__(self):
-        self.b0, self.c0, self.t0 = _busy_s(), time.process_time(), time.perf_counter()
+        self.b0, self.c0, self.t0 = _busy_s(), self._own_s(), time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         self.wall = time.perf_counter() - self.t0
-        own = time.process_time() - self.c0
+        own = self._own_s() - self.c0
         b1 = _busy_s()
         self.foreign = None
         if self.b0 is not None and b1 is not None and self.wall > 0:

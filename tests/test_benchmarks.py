@@ -166,3 +166,28 @@ def test_bench_ngram_tiny(tmp_path):
             assert 0 < v["min_tok_s"] <= v["median_tok_s"] <= v["max_tok_s"], (part, name)
             assert v["greedy_equal_to_plain"], (part, name)
     assert "HF prompt lookup" in data["reuse"] and "vs_hf_prompt_lookup" in data["reuse"]["specjax ngram"]
+
+
+def test_timer_counts_other_processes_as_foreign_unless_they_are_ours():
+    """A busy child process shows up as foreign CPU, and not when it is named as ours (a server
+    the benchmark started)."""
+    import subprocess
+    import sys
+    import time
+
+    from specjax.bench import Timer
+
+    burn = [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"]
+    fractions = {}
+    for ours in (False, True):
+        child = subprocess.Popen(burn)
+        time.sleep(0.2)
+        with Timer(own_pids=(child.pid,) if ours else ()) as t:
+            time.sleep(1.0)
+        child.wait()
+        fractions[ours] = t.foreign
+    if fractions[False] is None:
+        pytest.skip("no /proc/stat: foreign CPU is not measurable here")
+    ncpu = len(__import__("specjax.bench", fromlist=["usable_cpus"]).usable_cpus())
+    assert fractions[False] > 0.5 / ncpu, fractions  # one busy core of ncpu
+    assert fractions[True] < fractions[False] - 0.3 / ncpu, fractions
