@@ -65,7 +65,7 @@ def pool_copies_per_step(adaptive: bool) -> tuple[int, int]:
             return
         seen.add(name)
         for line in comps[name]:
-            for callee in re.findall(r"(?:branch_computations=\{|calls=|body=|to_apply=)(%[\w.\-]+)", line):
+            for callee in re.findall(r"(?:calls=|body=|to_apply=)(%[\w.\-]+)", line):
                 called(callee, seen)
             m = re.search(r"branch_computations=\{([^}]*)\}", line)
             if m:

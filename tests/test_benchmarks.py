@@ -175,7 +175,7 @@ def test_timer_counts_other_processes_as_foreign_unless_they_are_ours():
     import sys
     import time
 
-    from specjax.bench import Timer
+    from specjax.bench import Timer, usable_cpus
 
     burn = [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"]
     fractions = {}
@@ -188,6 +188,6 @@ def test_timer_counts_other_processes_as_foreign_unless_they_are_ours():
         fractions[ours] = t.foreign
     if fractions[False] is None:
         pytest.skip("no /proc/stat: foreign CPU is not measurable here")
-    ncpu = len(__import__("specjax.bench", fromlist=["usable_cpus"]).usable_cpus())
+    ncpu = len(usable_cpus())
     assert fractions[False] > 0.5 / ncpu, fractions  # one busy core of ncpu
     assert fractions[True] < fractions[False] - 0.3 / ncpu, fractions
