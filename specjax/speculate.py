@@ -37,13 +37,14 @@ target's features exactly like the chain's shift: same invariants afterwards.
 Method "ngram" drafts without a model (specjax.ngram): each row's history x_0..x_{n-1} is kept in
 an on-device buffer, the tokens that followed the longest earlier match of its suffix are the
 point-mass drafts, rows without a match take an ordinary sample from p_0 (they accept nothing),
-and when no row matches the step is a plain one-token step (lax.cond) instead of the verify.
+and when no row matches the step is a plain one-token step instead of the verify.
 With ``hybrid_min`` > 0 the draft/head methods use the n-gram proposal for rows with a match
 that long (a draft LLM then re-runs over every emitted token, since it never saw those drafts;
 heads re-run over the verified span anyway).
 
 ``adaptive`` picks the step's k in {0..K} on device (specjax.adaptive) and runs that compiled
-variant through lax.switch; k = 0 is a plain step that leaves the drafter behind (lazy upkeep): the
+variant (specjax.control.switch, which keeps the KV pools in place where lax.switch would copy
+every pool each step); k = 0 is a plain step that leaves the drafter behind (lazy upkeep): the
 new token (and, for heads, the target feature the head will consume with it) goes into a small
 per-row window (``lag_tokens`` / ``lag_feats``, W = ``LAG_WINDOW`` slots indexed by position mod W)
 and ``lag`` counts the positions the drafter has not seen. ``catch_up`` runs the drafter once over
@@ -65,7 +66,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax import acceptance, adaptive, heads, kv_cache, ngram, registry, sampling, tree
+from specjax import acceptance, adaptive, control, heads, kv_cache, ngram, registry, sampling, tree
 from specjax.config import SpecConfig
 from specjax.model import lm_head
 from specjax.sampling import step_keys as _step_keys
@@ -360,10 +361,10 @@ def _draft_model(target_params, target_cfg, draft_params, draft_cfg, state, rp, 
     """Drafting with a draft LLM or head (methods draft/mtp/eagle), optionally hybrid."""
     b = state.lengths.shape[0]
     if state.lag is not None:  # plain steps left the drafter behind: catch it up first
-        state = lax.cond(jnp.any((state.lag > 0) & ~state.done),
-                         lambda s: _catch_up_state(target_params, target_cfg, draft_params,
-                                                   draft_cfg, s, lc, keep=0),
-                         lambda s: s, state)
+        state = control.cond(jnp.any((state.lag > 0) & ~state.done),
+                             lambda s: _catch_up_state(target_params, target_cfg, draft_params,
+                                                       draft_cfg, s, lc, keep=0),
+                             state)
     kv, tokens, probs = _draft_rollout(target_params, target_cfg, draft_params, draft_cfg, state,
                                        rp, lc)
     from_ngram = None
@@ -515,10 +516,10 @@ def _plain_step(target_params, target_cfg, draft_params, draft_cfg, state: Decod
         updates["lag"] = state.lag + active.astype(jnp.int32)
     new = _commit(state, rp, zeros, y, y[:, None], drafted=zeros, **updates)
     if state.lag is not None:  # a full window: catch up all but the newest position
-        new = lax.cond(jnp.any((new.lag >= new.lag_tokens.shape[1]) & ~new.done),
-                       lambda s: _catch_up_state(target_params, target_cfg, draft_params,
-                                                 draft_cfg, s, lc, keep=1),
-                       lambda s: s, new)
+        new = control.cond(jnp.any((new.lag >= new.lag_tokens.shape[1]) & ~new.done),
+                           lambda s: _catch_up_state(target_params, target_cfg, draft_params,
+                                                     draft_cfg, s, lc, keep=1),
+                           new)
     return new, zeros, zeros
 
 
@@ -594,8 +595,18 @@ def _fixed_step(target_params, target_cfg, draft_params, draft_cfg, state: Decod
     if lc.method == "ngram":
         _, match_len = ngram.search(state.history, state.lengths, lc.ngram_min, lc.ngram_max)
         any_match = jnp.any((match_len > 0) & ~state.done)
-        return lax.cond(any_match, lambda: _chain_step(*args), lambda: _plain_step(*args))
+        head = (target_params, target_cfg, draft_params, draft_cfg)
+        return _switch_steps(any_match.astype(jnp.int32),
+                             [lambda s: _plain_step(*head, s, rp, lc),
+                              lambda s: _chain_step(*head, s, rp, lc)], state)
     return _chain_step(*args)
+
+
+def _switch_steps(index, steps, state: DecodeState):
+    """Runs ``steps[index](state)`` -> (state, a [B], drafted [B]) without copying the KV pools
+    (specjax.control: a lax.switch here would copy every pool on every step)."""
+    zeros = jnp.zeros(state.lengths.shape, jnp.int32)
+    return control.switch(index, [lambda op, f=f: f(op[0]) for f in steps], (state, zeros, zeros))
 
 
 def _adaptive_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
@@ -611,7 +622,7 @@ def _adaptive_step(target_params, target_cfg, draft_params, draft_cfg, state: De
                 for kv in range(kmax + 1)]
     branches[0] = functools.partial(_plain_step, target_params, target_cfg, draft_params,
                                     draft_cfg, rp=rp, lc=dataclasses.replace(lc, adaptive=False))
-    new, a, drafted = lax.switch(k, branches, state)
+    new, a, drafted = _switch_steps(k, branches, state)
     k_used = jnp.max(jnp.where(~state.done, drafted, 0))  # 0 when n-gram fell back to plain
     hits, obs, plain_run = adaptive.update(state.acc_hits, state.acc_obs, state.plain_run, a,
                                            k_used, ~state.done & (drafted > 0))

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import kv_cache, ngram, registry, sampling, speculate
+from specjax import control, kv_cache, ngram, registry, sampling, speculate
 from specjax.config import SpecConfig
 from specjax.model import lm_head
 from specjax.registry import forward
@@ -229,13 +229,13 @@ def _extend(target_params, draft_params, state: SlotState, meta, *, target_cfg, 
     draft_kv = state.draft_kv
     if state.lag is not None:
         num = jnp.where(is_dec & cols["valid"], state.lag[slot], 0)
-        draft_kv = jax.lax.cond(
+        draft_kv = control.cond(  # in place (a lax.cond would copy the draft pools)
             jnp.any(num > 0),
             lambda kv: speculate.catch_up(target_params, target_cfg, draft_params, draft_cfg, kv,
                                           page_table, n_dev, num, state.lag_tokens[slot],
                                           None if state.lag_feats is None else state.lag_feats[slot],
                                           lc)[0],
-            lambda kv: kv, draft_kv)
+            draft_kv)
     draft_kv, draft_logits, head_hidden = speculate.extend_draft(
         target_params, target_cfg, draft_params, draft_cfg, tokens, hidden, start, num_new, after,
         draft_kv, page_table, lc, aux)
