@@ -1,7 +1,4 @@
-"""Attention over a paged cache: one entry point, a plain-jnp reference or the Pallas kernels.
-
-Both implementations live in ``pallas_kernels`` (the reference is ``pallas_kernels.paged_attention.
-paged_attention_reference``, re-exported here).
+"""Attention over a paged cache: one entry point, plain XLA or the Pallas kernels.
 
 Semantics (shared by every implementation): the T new tokens of sequence b have already been
 written at cache slots ``cache_start[b] + t``. Query t attends to
@@ -10,9 +7,27 @@ written at cache slots ``cache_start[b] + t``. Query t attends to
     (causal ``t' <= t`` by default; an ancestor mask for draft trees).
 Everything else (stale entries beyond the sequence, other sequences' pages) is never read:
 its scores are masked and its values zeroed, so even NaN-poisoned pages cannot leak in.
+
+Implementations (``impl``):
+  * "reference": plain jnp/XLA, ``paged_attention_blockwise`` below: an online softmax over
+    blocks of pages that skips the blocks past the batch's longest live sequence (``max(
+    cache_start + num_new)``) instead of reading the whole page table (a ``lax.scan`` over blocks
+    with a ``lax.cond`` per block, so it stays differentiable for head training), with the KV heads and the batch kept as the
+    dots' batch dimensions (no transpose of the gathered keys). Decoding reads only the live
+    part of a cache that was sized for the longest request.
+  * "pallas": the kernels (``pallas_kernels``).
+``paged_attention_reference`` (in ``pallas_kernels.paged_attention``, re-exported here) is the
+one-shot twin every implementation is tested against: it reads the whole page table.
+
+Shapes: B batch, T new tokens, H query heads, Hkv KV heads (G = H / Hkv), D head dim, S page size,
+P pool pages, Pmax page-table width, C pages per block.
 """
 
 from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
 
 # The plain-jnp reference lives beside its kernels (each kernel file keeps its twin); specjax
 # imports pallas_kernels, never the other way round.
@@ -20,13 +35,80 @@ from pallas_kernels import dispatch as _pallas
 from pallas_kernels.paged_attention import causal_mask, paged_attention_reference  # noqa: F401
 
 IMPLS = ("reference", "pallas")
+BLOCK_TOKENS = 256  # keys per block of the blockwise path (rounded to whole pages)
+
+
+def paged_attention_blockwise(q, k_pages, v_pages, page_table, cache_start, num_new,
+                              new_mask=None, *, scale=None, block_pages: int | None = None):
+    """Paged attention as an online softmax over blocks of C pages, up to the live length.
+
+    Args:
+      q: [B, T, H, D] queries (RoPE applied).
+      k_pages, v_pages: [Hkv, P, S, D] pools holding the prefix and the new tokens.
+      page_table: [B, Pmax] int32; cache_start: [B] int32; num_new: [B] int32 (<= T).
+      new_mask: optional [B, T, T] bool mask among the new tokens; default causal.
+      block_pages: C, pages per block (default: BLOCK_TOKENS keys).
+    Returns:
+      [B, T, H, D] in q's dtype.
+    """
+    b, t, h, d = q.shape
+    hkv, _, s, _ = k_pages.shape
+    g = h // hkv
+    pmax = page_table.shape[1]
+    scale = d ** -0.5 if scale is None else scale
+    c = max(1, min(pmax, block_pages or BLOCK_TOKENS // s))
+    num_blocks = -(-pmax // c)
+    bk = c * s  # keys per block
+    table = jnp.pad(page_table, ((0, 0), (0, num_blocks * c - pmax)))  # pad pages: never readable
+    if new_mask is None:
+        new_mask = jnp.broadcast_to(causal_mask(t), (b, t, t))
+    start = cache_start[:, None]  # [B, 1]
+    live = jnp.max(cache_start + num_new)  # [] keys any row may read
+    todo = jnp.minimum((live + bk - 1) // bk, num_blocks)
+    neg = jnp.finfo(jnp.float32).min
+    # rows r = g * T + t of each (KV head, sequence): [Hkv, B, G*T, D], scaled once
+    qr = (q.reshape(b, t, hkv, g, d).transpose(2, 0, 3, 1, 4).reshape(hkv, b, g * t, d)
+          .astype(jnp.float32) * scale)
+
+    def body(i, carry):
+        m, l, acc = carry  # [Hkv, B, R], [Hkv, B, R], [Hkv, B, R, D]
+        pages = lax.dynamic_slice_in_dim(table, i * c, c, axis=1)  # [B, C]
+        keys = k_pages[:, pages].reshape(hkv, b, bk, d).astype(jnp.float32)
+        vals = v_pages[:, pages].reshape(hkv, b, bk, d).astype(jnp.float32)
+        j = i * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]  # [1, bk]
+        rel = j - start  # [B, bk] index among the new tokens
+        in_new = (rel >= 0) & (rel < num_new[:, None])
+        readable = (j < start) | in_new
+        rel_c = jnp.clip(rel, 0, t - 1)
+        new_ok = jnp.take_along_axis(new_mask, jnp.broadcast_to(rel_c[:, None, :], (b, t, bk)),
+                                     axis=2)
+        allowed = (j < start)[:, None, :] | (in_new[:, None, :] & new_ok)  # [B, T, bk]
+        allowed = jnp.broadcast_to(allowed[:, None], (b, g, t, bk)).reshape(1, b, g * t, bk)
+        vals = jnp.where(readable[None, :, :, None], vals, 0.0)
+        sc = jnp.where(allowed, jnp.einsum("kbrd,kbnd->kbrn", qr, keys), neg)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+        p = jnp.where(allowed, jnp.exp(sc - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + jnp.sum(p, axis=-1)
+        acc = alpha[..., None] * acc + jnp.einsum("kbrn,kbnd->kbrd", p, vals)
+        return m_new, l, acc
+
+    init = (jnp.full((hkv, b, g * t), neg, jnp.float32), jnp.zeros((hkv, b, g * t), jnp.float32),
+            jnp.zeros((hkv, b, g * t, d), jnp.float32))
+
+    def step(carry, i):  # blocks past the live length are skipped (a cond, so grads still flow)
+        return lax.cond(i < todo, body, lambda _, x: x, i, carry), None
+
+    (_, l, acc), _ = lax.scan(step, init, jnp.arange(num_blocks, dtype=jnp.int32))
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]  # rows that may read nothing: 0
+    return o.reshape(hkv, b, g, t, d).transpose(1, 3, 0, 2, 4).reshape(b, t, h, d).astype(q.dtype)
 
 
 def paged_attention(q, k_pages, v_pages, page_table, cache_start, num_new, new_mask=None, *,
                     impl: str = "reference", scale=None):
-    """Dispatches to the reference or the Pallas implementation (same semantics)."""
+    """Dispatches to the plain-XLA or the Pallas implementation (same semantics)."""
     if impl == "reference":
-        return paged_attention_reference(q, k_pages, v_pages, page_table, cache_start, num_new,
+        return paged_attention_blockwise(q, k_pages, v_pages, page_table, cache_start, num_new,
                                          new_mask, scale=scale)
     if impl == "pallas":
         return _pallas.paged_attention(q, k_pages, v_pages, page_table, cache_start, num_new,
