@@ -15,13 +15,18 @@ Expected tokens of a k-step: E(k) = 1 + sum_{i<k} prod_{j<=i} alpha_j. Its cost,
 plain one-token step, is ``cost[k]`` = (verify(k+1) + drafting(k)) / decode(1), measured on the
 actual device at warm-up (``specjax.cost_model.measure_costs``; cached per model, draft, dtype,
 batch bucket, backend, method and K). The device picks argmax_k E(k) / cost[k]; k = 0 has E = 1
-and cost 1, so speculation that does not pay is skipped.
+and cost 1, so speculation that does not pay is skipped. Plain steps leave the drafter behind
+(``specjax.speculate``: lazy upkeep), and the first drafting step after them first catches it up
+(one drafter forward over the lag window); ``cost[K+1]`` is that catch-up's cost, added to every
+k >= 1 while the drafter lags. Entering speculation thus costs more than staying in it: a draft
+near break-even keeps its current mode instead of paying a catch-up on every other step.
 
 Since plain steps do not change the estimate, a draft written off stays written off unless it is
 tried again: ``plain_run`` counts consecutive steps that drafted nothing, and after
 ``PROBE_EVERY`` of them the next step is forced to draft (the best k >= 1; a probe). A useless
 draft then costs one probe per PROBE_EVERY + 1 steps; a draft whose acceptance has risen (the
-text turned repetitive, a code block began) is picked up within PROBE_EVERY steps.
+text turned repetitive, a code block began) is picked up within PROBE_EVERY steps. A k whose
+cost is infinite is never chosen, not even by a probe (all infinite: always plain steps).
 
 Shapes: K the largest draft length.
 """
@@ -53,15 +58,23 @@ def acceptance_estimate(hits: jax.Array, obs: jax.Array) -> jax.Array:
     return jnp.stack(est)
 
 
-def choose_k(hits: jax.Array, obs: jax.Array, cost: jax.Array, plain_run: jax.Array) -> jax.Array:
+def choose_k(hits: jax.Array, obs: jax.Array, cost: jax.Array, plain_run: jax.Array,
+             lagging=False) -> jax.Array:
     """[] int32 k in [0, K] maximising expected tokens per unit cost; k >= 1 when a probe is due.
 
-    cost: [K+1] float32; plain_run: [] int32 consecutive steps that drafted nothing.
+    cost: [K+1] float32 k-step costs, or [K+2] with the drafter's catch-up cost last (module
+    docstring), charged to every k >= 1 when ``lagging`` ([] bool: plain steps left an active
+    row's drafter behind); plain_run: [] int32 consecutive steps that drafted nothing.
     """
+    kmax = hits.shape[0]
+    step_cost = cost[:kmax + 1]
+    if cost.shape[0] == kmax + 2:
+        step_cost = step_cost + jnp.where(
+            lagging & (jnp.arange(kmax + 1) > 0), cost[kmax + 1], 0.0)
     alpha = acceptance_estimate(hits, obs)  # [K]
     expected = 1.0 + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(jnp.cumprod(alpha))])  # [K+1]
-    value = expected / cost  # [K+1]
-    probe = plain_run >= PROBE_EVERY
+    value = expected / step_cost  # [K+1]
+    probe = (plain_run >= PROBE_EVERY) & jnp.any(jnp.isfinite(step_cost[1:]))  # inf: never run
     value = jnp.where(probe & (jnp.arange(value.shape[0]) == 0), -jnp.inf, value)
     return jnp.argmax(value).astype(jnp.int32)
 

@@ -2,7 +2,8 @@
 
 ``measure_costs`` times a plain one-token target step, a (k+1)-token verify and k draft steps
 for k = 1..K at the given batch bucket and context, and returns ``cost[k]`` =
-(verify(k+1) + drafting(k)) / decode(1) (``cost[0]`` = 1), the input of
+(verify(k+1) + drafting(k)) / decode(1) (``cost[0]`` = 1) and, last (``cost[K+1]``), the drafter's
+catch-up over the lag window after plain steps, relative to decode(1): the input of
 ``specjax.adaptive.choose_k``. Results are cached per (model, draft, dtype, batch bucket,
 backend, method, K) in-process and in ``~/.cache/specjax/cost_model.json``. Host-side code
 (it times compiled programs): the decode loop itself only imports ``specjax.adaptive``.
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_COSTS: dict = {}  # in-process cache: key -> list of K+1 relative costs
+_COSTS: dict = {}  # in-process cache: key -> list of K+2 relative costs
 
 
 def _cache_file() -> str:
@@ -67,10 +68,11 @@ def _time(fn, *args, reps: int = 5) -> float:
 def measure_costs(target_params, target_cfg, draft_params, draft_cfg, *, method: str, kmax: int,
                   batch: int, context: int, dtype, page_size: int = 16,
                   attn_impl: str = "reference") -> list:
-    """Relative cost [K+1] of a k-step (k = 0..K) on this device, cached (module docstring).
+    """Relative costs [K+2] on this device, cached (module docstring): a k-step for k = 0..K,
+    then the drafter's catch-up after plain steps (one forward over the lag window; 0 for n-gram).
 
     Times the target forward over T = 1..K+1 tokens (with logits) after ``context`` cached
-    tokens, and the drafter's one-token and (K+1)-token forwards, at this batch size.
+    tokens, and the drafter's forwards over 1, K+1 and LAG_WINDOW tokens, at this batch size.
     """
     from specjax import heads, kv_cache, speculate  # noqa: PLC0415
 
@@ -78,11 +80,11 @@ def measure_costs(target_params, target_cfg, draft_params, draft_cfg, *, method:
     if key in _COSTS:
         return _COSTS[key]
     stored = _load_file().get(key)
-    if stored is not None and len(stored) == kmax + 1:
+    if stored is not None and len(stored) == kmax + 2:
         _COSTS[key] = stored
         return stored
 
-    per_seq = kv_cache.pages_needed(context + kmax + 2, page_size)
+    per_seq = kv_cache.pages_needed(context + max(kmax + 2, speculate.LAG_WINDOW + 1), page_size)
     page_table = kv_cache.contiguous_page_table(batch, per_seq)
     start = jnp.full((batch,), context, jnp.int32)
 
@@ -123,9 +125,11 @@ def measure_costs(target_params, target_cfg, draft_params, draft_cfg, *, method:
         return _time(g, draft_params, target_params, kv)
 
     verify = [fwd_target(t) for t in range(1, kmax + 2)]
+    catch_up = 0.0  # n-gram drafting has no drafter to catch up
     if method in ("draft", "mtp", "eagle", "eagle3"):
         d1, dk = fwd_draft(1), fwd_draft(kmax + 1)
         d2 = fwd_draft(2) if method == "draft" else None
+        catch_up = fwd_draft(speculate.LAG_WINDOW) / verify[0]
     costs = [1.0]
     for k in range(1, kmax + 1):
         c = verify[k]
@@ -134,7 +138,7 @@ def measure_costs(target_params, target_cfg, draft_params, draft_cfg, *, method:
         elif method in ("mtp", "eagle", "eagle3"):  # k-1 rollout steps + a (k+1)-token re-run
             c += (k - 1) * d1 + d1 + (dk - d1) * k / kmax
         costs.append(float(c / verify[0]))
-    costs = [float(x) for x in np.maximum(costs, 1e-3)]
+    costs = [float(x) for x in np.maximum(costs, 1e-3)] + [float(catch_up)]
     _COSTS[key] = costs
     _store_file(key, costs)
     return costs

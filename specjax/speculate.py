@@ -125,7 +125,7 @@ class DecodeState:
     acc_hits: jax.Array | None = None  # [K] float32 decayed accepted counts per draft position
     acc_obs: jax.Array | None = None  # [K] float32 decayed reached counts per draft position
     plain_run: jax.Array | None = None  # [] int32 consecutive steps that drafted nothing
-    cost: jax.Array | None = None  # [K+1] float32 cost of a k-step relative to a plain step
+    cost: jax.Array | None = None  # [K+1(+1)] float32 k-step costs (+ catch-up; adaptive)
     k_hist: jax.Array | None = None  # [K+1] int32 steps that chose each k
     # lazy drafter upkeep over plain steps (adaptive, methods with a drafter; module docstring):
     lag: jax.Array | None = None  # [B] int32 pending drafter positions (draft_logits stale if > 0)
@@ -291,11 +291,14 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
     if lc.adaptive:
         kk = lc.k_eff
         if cost is None:
-            raise ValueError("adaptive speculation needs the cost model (cost=[K+1] array)")
+            raise ValueError("adaptive speculation needs the cost model (cost=[K+1] or [K+2] array)")
+        cost = jnp.asarray(cost, jnp.float32).reshape(-1)
+        if cost.shape[0] not in (kk + 1, kk + 2):
+            raise ValueError(f"cost must have K+1 = {kk + 1} or K+2 entries, got {cost.shape[0]}")
         extra = init_lag(lc, draft_cfg, b, lag_window, kv_dtype)
         state = dataclasses.replace(
             state, acc_hits=jnp.zeros((kk,), jnp.float32), acc_obs=jnp.zeros((kk,), jnp.float32),
-            plain_run=jnp.zeros((), jnp.int32), cost=jnp.asarray(cost, jnp.float32).reshape(kk + 1), k_hist=jnp.zeros((kk + 1,), jnp.int32),
+            plain_run=jnp.zeros((), jnp.int32), cost=cost, k_hist=jnp.zeros((kk + 1,), jnp.int32),
             **extra)
     out, num_out, done = _emit(state, first[:, None], jnp.ones((b,), jnp.int32), rp)
     return dataclasses.replace(state, out_tokens=out, num_out=num_out, done=done)
@@ -615,7 +618,8 @@ def _adaptive_step(target_params, target_cfg, draft_params, draft_cfg, state: De
 
     Returns (state, a [B], drafted [B])."""
     kmax = lc.k_eff
-    k = adaptive.choose_k(state.acc_hits, state.acc_obs, state.cost, state.plain_run)
+    lagging = False if state.lag is None else jnp.any((state.lag > 0) & ~state.done)
+    k = adaptive.choose_k(state.acc_hits, state.acc_obs, state.cost, state.plain_run, lagging)
     # Branch k: the static k-variant (branch 0: a plain step that keeps the drafter current).
     branches = [functools.partial(_fixed_step, target_params, target_cfg, draft_params, draft_cfg,
                                   rp=rp, lc=dataclasses.replace(lc, num_draft_tokens=max(kv, 1), adaptive=False))

@@ -129,8 +129,8 @@ def test_adaptive_self_draft_accepts_everything_after_plain_streaks(tiny_pair, f
     where eager upkeep would (a wrong catch-up shows as rejected drafts, not as wrong tokens)."""
     target, _ = tiny_pair
     # A fixed schedule instead of the estimate: 20 plain steps, then K, repeated (> LAG_WINDOW).
-    monkeypatch.setattr(adaptive, "choose_k", lambda hits, obs, cost, plain_run: jnp.where(
-        plain_run >= 20, K, 0).astype(jnp.int32))
+    monkeypatch.setattr(adaptive, "choose_k", lambda hits, obs, cost, plain_run, lagging=False:
+                        jnp.where(plain_run >= 20, K, 0).astype(jnp.int32))
     prompts = PROMPTS[:2]
     want = sj.generate(target, prompts, max_new_tokens=60, eos_token_id=[]).tokens
     if where == "loop":
@@ -333,6 +333,19 @@ def test_plain_steps_keep_the_estimate_and_probe_on_schedule():
     _, _, run = adaptive.update(hits, obs, run, jnp.zeros((2,), jnp.int32), jnp.asarray(1),
                                 jnp.ones((2,), bool))
     assert int(run) == 0  # a drafting step restarts the count
+    # a lagging drafter's catch-up (cost[K+1]) is charged to k >= 1: entering speculation costs
+    # more than staying in it (alpha ~0.35 pays at k = 1 when level, not when a catch-up is due)
+    hits35, obs1 = jnp.asarray([3.5, 0.0, 0.0]), jnp.asarray([10.0, 3.5, 0.0])
+    with_entry = jnp.asarray([1.0, 1.2, 1.45, 1.6, 0.3])
+    assert int(adaptive.choose_k(hits35, obs1, with_entry, jnp.asarray(0), False)) == 1
+    assert int(adaptive.choose_k(hits35, obs1, with_entry, jnp.asarray(0), True)) == 0
+    assert int(adaptive.choose_k(hits35, obs1, with_entry[:4], jnp.asarray(0), True)) == 1
+    # k values whose cost is infinite never run, not even as a probe
+    inf = jnp.inf
+    assert int(adaptive.choose_k(hits, obs, jnp.asarray([1.0, inf, 1.45, inf]), jnp.asarray(
+        adaptive.PROBE_EVERY))) == 2
+    assert int(adaptive.choose_k(hits, obs, jnp.asarray([1.0, inf, inf, inf]), jnp.asarray(
+        adaptive.PROBE_EVERY))) == 0
 
 
 @jax.jit
