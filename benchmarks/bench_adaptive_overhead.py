@@ -43,8 +43,8 @@ def main(argv=None) -> int:
     prompts = [tok.apply_chat_template(m) for m in chat_prompts("held_out", limit=args.num_prompts)]
     measured = cost_model.measure_costs
 
-    def priced_out(*a, **kw):  # every k >= 1 loses: the device always picks k = 0
-        return [1.0] + [100.0] * (len(measured(*a, **kw)) - 1)
+    def priced_out(*a, **kw):  # every k >= 1 costs infinity: never run, not even as a probe
+        return [1.0] + [float("inf")] * (len(measured(*a, **kw)) - 1)
     cost_model.measure_costs = priced_out
     hists = []
 
