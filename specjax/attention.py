@@ -11,10 +11,10 @@ its scores are masked and its values zeroed, so even NaN-poisoned pages cannot l
 Implementations (``impl``):
   * "reference": plain jnp/XLA, ``paged_attention_blockwise`` below: an online softmax over
     blocks of pages that skips the blocks past the batch's longest live sequence (``max(
-    cache_start + num_new)``) instead of reading the whole page table (a ``lax.scan`` over blocks
-    with a ``lax.cond`` per block, so it stays differentiable for head training), with the KV heads and the batch kept as the
-    dots' batch dimensions (no transpose of the gathered keys). Decoding reads only the live
-    part of a cache that was sized for the longest request.
+    cache_start + num_new)``) instead of reading the whole page table (a ``lax.scan`` over
+    blocks with a ``lax.cond`` per block, so it stays differentiable for head training), with
+    the KV heads and the batch kept as the dots' batch dimensions (no transpose of the gathered
+    keys). Decoding reads only the live part of a cache sized for the longest request.
   * "pallas": the kernels (``pallas_kernels``).
 ``paged_attention_reference`` (in ``pallas_kernels.paged_attention``, re-exported here) is the
 one-shot twin every implementation is tested against: it reads the whole page table.
