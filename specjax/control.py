@@ -1,6 +1,6 @@
 """Branching over values that hold KV pools, without copying them: ``cond`` and ``switch``.
 
-XLA (CPU and GPU; jax 0.10) updates a buffer carried by a ``while_loop`` in place, but a buffer
+XLA (measured on CPU, jax 0.10) updates a buffer carried by a ``while_loop`` in place, but a buffer
 that flows through a ``lax.cond`` / ``lax.switch`` inside the loop body is copied: the copy pass
 gives each branch its own output buffer, so a branch that writes a few K/V rows into a pool
 copies the whole pool, and the loop body copies the conditional's result back into the carry.
@@ -15,7 +15,7 @@ A ``while_loop`` that runs zero times or once is a branch XLA does keep in place
 Every branch maps the operand to a value of the *same* pytree structure, shapes and dtypes
 (carry extra outputs inside the operand, initialised by the caller).
 
-Cost: K+1 scalar loop conditions per switch; only the taken branch runs.
+Cost: one scalar loop condition per branch; only the taken branch runs.
 """
 
 from __future__ import annotations
