@@ -29,6 +29,8 @@ only on ``keys[i]`` and row ``i``'s inputs, never on the rest of the batch.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,14 +129,40 @@ def process_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     return jnp.where(greedy, one_hot, probs)
 
 
-def categorical(key: jax.Array, weights: jax.Array) -> jax.Array:
-    """One draw from unnormalized non-negative weights [V] (Gumbel-max): key [] -> int32 [].
+def _block_size(v: int) -> int:
+    """Inverse-CDF block width: the power of two >= sqrt(V) (256 for V = 49152), at most V."""
+    return min(v, 1 << max(0, math.ceil(math.log2(max(v, 1)) / 2)))
 
+
+def _pick(u: jax.Array, weights: jax.Array) -> jax.Array:
+    """First index whose cumulative weight exceeds ``u * total`` ([] uniform in [0, 1), weights
+    [N] >= 0, one positive at least): index i wins with probability w_i / total. A zero weight
+    never wins (its cumulative sum equals its predecessor's, so it is never the first to exceed);
+    the count is clamped to the last positive weight, where ``u * total`` rounds up to the total."""
+    cdf = jnp.cumsum(weights)
+    n = weights.shape[0]
+    last = n - 1 - jnp.argmax(weights[::-1] > 0)
+    return jnp.minimum(jnp.sum(cdf <= u * cdf[-1]), last).astype(jnp.int32)
+
+
+def categorical(key: jax.Array, weights: jax.Array) -> jax.Array:
+    """One draw from unnormalized non-negative weights [V]: key [] -> int32 [].
+
+    Two-level inverse CDF: a block of ``_block_size(V)`` tokens is picked with probability equal
+    to its share of the total weight, then a token inside it with probability equal to its share
+    of the block, so token i wins with probability w_i / sum(w). Two uniforms per draw (Gumbel-max
+    needed V random numbers: at batch 64 x V = 49,152 on CPU that was ~49 ms a step), and the
+    cumulative sums stay short (V / block and block entries), which keeps float32 rounding small.
     Zero weights never win; a single positive weight wins exactly. Unbatched (vmap it).
     """
-    g = jax.random.gumbel(key, weights.shape, jnp.float32)  # finite: uniform is drawn in (0, 1)
-    score = jnp.where(weights > 0, jnp.log(jnp.where(weights > 0, weights, 1.0)) + g, -jnp.inf)
-    return jnp.argmax(score, axis=-1).astype(jnp.int32)
+    v = weights.shape[-1]
+    blk = _block_size(v)
+    nb = -(-v // blk)
+    w = jnp.pad(weights.astype(jnp.float32), (0, nb * blk - v)).reshape(nb, blk)  # [V/blk, blk]
+    u = jax.random.uniform(key, (2,), jnp.float32)  # in [0, 1)
+    b = _pick(u[0], w.sum(-1))
+    j = _pick(u[1], w[b])
+    return b * blk + j
 
 
 def _sample_row(key: jax.Array, probs: jax.Array) -> jax.Array:
@@ -150,7 +178,7 @@ def _sample_row(key: jax.Array, probs: jax.Array) -> jax.Array:
 def sample(keys: jax.Array, probs: jax.Array) -> jax.Array:
     """Draws one token per row (and per middle position) from ``probs``.
 
-    Gumbel-max: ``argmax(log p + Gumbel)``, equivalently ``argmax(p / Exp(1))``. Zero-probability
+    Inverse CDF in two levels (``categorical``): two uniforms per draw. Zero-probability
     tokens are never drawn, a one-hot row returns its token exactly, and ``probs`` need not be
     normalized (only the ratios matter).
 
@@ -172,7 +200,7 @@ def sample_logits(keys: jax.Array, logits: jax.Array, temperature: jax.Array, to
                   top_p: jax.Array) -> jax.Array:
     """``sample(keys, process_logits(logits, temperature, top_k, top_p))``.
 
-    An all-greedy batch takes ``argmax`` directly and skips the filtering and Gumbel noise (~1.5 ms
+    An all-greedy batch takes ``argmax`` directly and skips the filtering and sampling (~1.5 ms
     of a ~35 ms SmolLM2 step on CPU); the result is identical (greedy rows are argmax anyway).
 
     Args: as ``process_logits`` plus keys [B]. Returns: [B, ...] int32 tokens.
