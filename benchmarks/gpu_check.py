@@ -115,8 +115,11 @@ class Skip(Exception):
 
 
 class Report:
-    def __init__(self, out_dir: str, budget_s: float):
-        self.out_dir, self.t0, self.budget = out_dir, time.perf_counter(), budget_s
+    """Sections run against a time budget; ``<name>.json`` / ``<name>.md`` under ``out_dir``
+    are rewritten after each (benchmarks/gpu_corpus.py reuses it)."""
+
+    def __init__(self, out_dir: str, budget_s: float, name: str = "gpu_check"):
+        self.out_dir, self.t0, self.budget, self.name = out_dir, time.perf_counter(), budget_s, name
         self.data = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "sections": {}}
         self.tables: dict[str, str] = {}
         os.makedirs(out_dir, exist_ok=True)
@@ -147,9 +150,9 @@ class Report:
 
     def write(self):
         self.data["elapsed_s"] = time.perf_counter() - self.t0
-        with open(os.path.join(self.out_dir, "gpu_check.json"), "w") as f:
+        with open(os.path.join(self.out_dir, f"{self.name}.json"), "w") as f:
             json.dump(self.data, f, indent=2, default=_json_default)
-        lines = ["# specjax GPU check", ""]
+        lines = [f"# specjax {self.name}", ""]
         for name, res in self.data["sections"].items():
             lines.append(f"## {name}: {res['status']} ({res['seconds']:.0f}s)")
             if res["status"] != "ok":
@@ -157,7 +160,7 @@ class Report:
             if name in self.tables:
                 lines += ["", self.tables[name]]
             lines.append("")
-        with open(os.path.join(self.out_dir, "gpu_check.md"), "w") as f:
+        with open(os.path.join(self.out_dir, f"{self.name}.md"), "w") as f:
             f.write("\n".join(lines))
 
 

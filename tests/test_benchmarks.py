@@ -1,4 +1,5 @@
-"""benchmarks/gpu_check.py in its --cpu-smoke mode (so the one-call GPU script cannot rot), the
+"""benchmarks/gpu_check.py and gpu_corpus.py in their --cpu-smoke modes (so the one-call GPU
+scripts cannot rot), the
 planted-acceptance construction it measures speedups with, the interleaved-rounds timing protocol,
 and the tiny modes of bench_tree / bench_engine / bench_ngram (each writes per-round wall times,
 a median and a spread)."""
@@ -50,6 +51,27 @@ def test_gpu_check_cpu_smoke(gpu_check, tmp_path):
     saved = json.load(open(tmp_path / "gpu_check.json"))
     assert saved["mode"] == "cpu-smoke"
     assert "| batch |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_gpu_corpus_cpu_smoke_and_unpack(tmp_path, monkeypatch):
+    """benchmarks/gpu_corpus.py end to end on a tiny model: held-out and train shards, features,
+    an EAGLE-3 head in the reference layout split into parts, and --unpack putting them back."""
+    pytest.importorskip("torch")
+    gc = _load("gpu_corpus")
+    out = tmp_path / "out"
+    data = gc.main(["--cpu-smoke", "--out", str(out), "--work", str(tmp_path / "work")])
+    sec = data["sections"]
+    assert {k: v["status"] for k, v in sec.items()} == {k: "ok" for k in (
+        "env", "load", "held_out", "corpus", "features", "train")}, \
+        {k: v.get("error") for k, v in sec.items()}
+    assert sec["corpus"]["new_shards"] == [f"answers-0000{i}.jsonl.gz" for i in range(3)]
+    assert sec["features"]["train_answer_tokens"] == sec["corpus"]["answer_tokens"] > 0
+    for name, d in (("CORPUS", "corpus"), ("HELD_OUT", "held"), ("HEAD_OUT", "head")):
+        monkeypatch.setattr(gc, name, str(tmp_path / d))
+    gc.main(["--unpack", str(out)])
+    assert sorted(os.listdir(tmp_path / "corpus")) == sec["corpus"]["new_shards"]
+    assert sorted(os.listdir(tmp_path / "head")) == ["config.json", "gpu_run.json",
+                                                     "model.safetensors", "report.json"]
 
 
 def test_planted_acceptance_rate(gpu_check):

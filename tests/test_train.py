@@ -379,3 +379,34 @@ def test_ragged_features_match_padded_and_crop_from_the_front(setup, tmp_path):
                                   data_lib.draft_vocab(padded, 40, 64))
     b = ragged.subset(ragged.domains == "b")
     assert len(b) == 24 and list(b.lengths) == list(lengths[1::2])
+
+
+def test_distill_pre_encoded_prompts_round_trip_resume_and_budget(setup, tmp_path):
+    """Prompts exported as a file answer into the same shards as prompts built in place; a spent
+    budget starts no shard; a rerun skips finished shards."""
+    target = setup[0]
+    rng = np.random.RandomState(3)
+    rows = [{"ids": rng.randint(0, 64, size=rng.randint(2, 9)).tolist(), "domain": f"d{i % 3}",
+             "source": f"s{i}"} for i in range(10)]
+    path = str(tmp_path / "prompts.npz")
+    distill.save_prompts(path, rows)
+    assert distill.load_prompts(path) == rows
+
+    class Tok:
+        eos_token_id = 63
+
+    kw = dict(shard_size=4, batch_size=4, max_new_tokens=6, max_prompt_tokens=7)
+    out = str(tmp_path / "corpus")
+    assert distill.generate_corpus(target, Tok(), out, prompts=rows, budget_s=0.0, **kw) == []
+    paths = distill.generate_corpus(target, Tok(), out, prompts=distill.load_prompts(path), **kw)
+    assert [os.path.basename(p) for p in paths] == [f"answers-0000{i}.jsonl.gz" for i in range(3)]
+    got = [r for p in paths for r in distill.read_rows(p)]
+    kept = [r for r in rows if len(r["ids"]) <= 7]  # longer prompts are skipped
+    assert sorted(r["source"] for r in got) == sorted(r["source"] for r in kept)
+    for r in got:
+        src = next(k for k in kept if k["source"] == r["source"])
+        assert r["ids"][:r["prompt_len"]] == src["ids"] and r["domain"] == src["domain"]
+        assert 0 < len(r["ids"]) - r["prompt_len"] <= 6
+    stamp = os.path.getmtime(paths[0])
+    assert distill.generate_corpus(target, Tok(), out, prompts=rows, budget_s=0.0, **kw) == paths
+    assert os.path.getmtime(paths[0]) == stamp

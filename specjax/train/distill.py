@@ -14,6 +14,14 @@ was generated on. Progress (answers, new tokens, tokens/s) goes to stderr.
 Run it in the background, at low priority so it only takes idle CPU::
 
     nice -n 19 python -m specjax.train.distill --out checkpoints/corpus/broad --split train
+
+The prompt list depends on the interpreter (code prompts come from the running CPython's
+standard library), so a machine with another Python would number the shards differently. For
+such a machine (the GPU one: Python 3.12) the prompts travel pre-encoded:
+``--export-prompts FILE`` writes a split's chat-templated ids, domains and sources here
+(``save_prompts``, a compressed npz), and ``--prompts-file FILE`` answers exactly those there,
+shard i holding the same prompts as shard i here. ``--budget-s`` stops starting shards after
+that many seconds (a run inside a time-limited call ends with whole shards only).
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ import json
 import logging
 import os
 import time
+
+import numpy as np
 
 from specjax.train.prompts import broad_prompts
 
@@ -54,10 +64,35 @@ def read_shards(out_dir: str) -> list[dict]:
     return [r for path in shard_files(out_dir) for r in read_rows(path)]
 
 
+def encode_prompts(tok, split: str = "train") -> list[dict]:
+    """The split's broad prompts in corpus order, chat-templated: dicts {ids, domain, source}."""
+    return [{"ids": tok.apply_chat_template(p["messages"]), "domain": p["domain"],
+             "source": p["source"]} for p in broad_prompts(split)]
+
+
+def save_prompts(path: str, rows: list[dict]) -> None:
+    """Writes encoded prompts (``encode_prompts``) as a compressed npz: ids [Ntok] int32,
+    offsets [N+1] int64, domain / source [N] str (no pickled objects)."""
+    ids = [np.asarray(r["ids"], np.int32) for r in rows]
+    np.savez_compressed(path, ids=np.concatenate(ids) if ids else np.zeros((0,), np.int32),
+                        offsets=np.concatenate([[0], np.cumsum([len(x) for x in ids])]).astype(np.int64),
+                        domain=np.array([r["domain"] for r in rows]),
+                        source=np.array([r["source"] for r in rows]))
+
+
+def load_prompts(path: str) -> list[dict]:
+    """The rows ``save_prompts`` wrote, in order."""
+    with np.load(path) as z:
+        ids, off = z["ids"], z["offsets"]
+        return [{"ids": ids[off[i]:off[i + 1]].tolist(), "domain": str(d), "source": str(s)}
+                for i, (d, s) in enumerate(zip(z["domain"], z["source"]))]
+
+
 def generate_corpus(target, tok, out_dir: str, *, split: str = "train", num_shards: int | None = None,
                     first_shard: int = 0, shard_size: int = 256, batch_size: int = 64,
                     max_new_tokens: int = 192, temperature: float = 0.7, max_prompt_tokens: int = 448,
-                    seed: int = 0, engine_slots: int = 0) -> list[str]:
+                    seed: int = 0, engine_slots: int = 0, prompts: list[dict] | None = None,
+                    budget_s: float | None = None) -> list[str]:
     """Writes missing answer shards ``first_shard .. first_shard + num_shards - 1``.
 
     Args:
@@ -69,15 +104,19 @@ def generate_corpus(target, tok, out_dir: str, *, split: str = "train", num_shar
       max_prompt_tokens: longer prompts are skipped (recorded as skipped in the log).
       engine_slots: > 0: answer through ``specjax.engine.Engine`` with that many slots (a
         request's sampled stream is seeded per prompt, so a shard is reproducible).
+      prompts: pre-encoded prompts (``encode_prompts`` / ``load_prompts``) instead of building
+        ``split``'s here.
+      budget_s: no shard starts once this many seconds have passed (None: no limit).
     Returns:
-      the shard paths (finished ones included).
+      the shard paths written or found (finished ones included; not those the budget skipped).
     """
     import specjax as sj  # noqa: PLC0415
 
     if shard_size < 1 or batch_size < 1 or max_new_tokens < 1:
         raise ValueError("shard_size, batch_size and max_new_tokens must be >= 1")
     os.makedirs(out_dir, exist_ok=True)
-    prompts = broad_prompts(split)
+    started = time.perf_counter()
+    prompts = encode_prompts(tok, split) if prompts is None else prompts
     total_shards = -(-len(prompts) // shard_size)
     last = total_shards if num_shards is None else min(total_shards, first_shard + num_shards)
     eos = tok.eos_token_id
@@ -91,12 +130,15 @@ def generate_corpus(target, tok, out_dir: str, *, split: str = "train", num_shar
     paths = []
     for s in range(first_shard, last):
         path = shard_path(out_dir, s)
-        paths.append(path)
         if os.path.exists(path) or os.path.exists(path[:-len(".gz")]):
+            paths.append(path)
             continue
+        if budget_s is not None and time.perf_counter() - started > budget_s:
+            log.warning("time budget of %.0f s spent: stopping before shard %d", budget_s, s)
+            break
+        paths.append(path)
         chunk = prompts[s * shard_size:(s + 1) * shard_size]
-        encoded = [(p, tok.apply_chat_template(p["messages"])) for p in chunk]
-        kept = [(p, ids) for p, ids in encoded if len(ids) <= max_prompt_tokens]
+        kept = [(p, p["ids"]) for p in chunk if len(p["ids"]) <= max_prompt_tokens]
         kept.sort(key=lambda r: len(r[1]))
         rows, t0, new_tokens = [], time.perf_counter(), 0
         if engine is not None:
@@ -133,7 +175,7 @@ def generate_corpus(target, tok, out_dir: str, *, split: str = "train", num_shar
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="corpus directory (answers-XXXXX.jsonl.gz shards)")
+    ap.add_argument("--out", default=None, help="corpus directory (answers-XXXXX.jsonl.gz shards)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--split", default="train", choices=("train", "held_out"))
     ap.add_argument("--shards", type=int, default=None, help="how many shards (default: all)")
@@ -144,16 +186,32 @@ def main(argv=None) -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--engine-slots", type=int, default=0,
                     help="> 0: continuous batching through the serving engine with that many slots")
+    ap.add_argument("--prompts-file", default=None,
+                    help="answer these pre-encoded prompts (written by --export-prompts) instead "
+                         "of building --split's here")
+    ap.add_argument("--export-prompts", default=None, metavar="FILE",
+                    help="only write --split's encoded prompts to FILE (.npz) and exit")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no shard after this many seconds")
     args = ap.parse_args(argv)
+    if not args.out and not args.export_prompts:
+        ap.error("--out is required (or --export-prompts FILE)")
     logging.basicConfig(format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
     import specjax as sj  # noqa: PLC0415
 
-    target = sj.load_model(args.model)
     tok = sj.load_tokenizer(args.model)
+    if args.export_prompts:
+        rows = encode_prompts(tok, args.split)
+        save_prompts(args.export_prompts, rows)
+        log.warning("%s: %d %s prompts", args.export_prompts, len(rows), args.split)
+        return
+    target = sj.load_model(args.model)
     generate_corpus(target, tok, args.out, split=args.split, num_shards=args.shards,
                     first_shard=args.first_shard, shard_size=args.shard_size,
                     batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                    temperature=args.temperature, engine_slots=args.engine_slots)
+                    temperature=args.temperature, engine_slots=args.engine_slots,
+                    prompts=load_prompts(args.prompts_file) if args.prompts_file else None,
+                    budget_s=args.budget_s)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,311 @@
+"""One prepared GPU call: the broad corpus at scale, its features and an EAGLE-3 head, as files.
+
+On the 2-core CPU the self-distilled corpus grows at ~73 answer tokens/s (checkpoints/README.md),
+so issue 21's >= 2M answer tokens is ~8 CPU-hours before any training. On the H200 the same
+pipeline (``specjax.train.distill`` -> ``pipeline.prepare_broad`` -> ``pipeline.train_head``) runs
+in minutes. Sections, each against the time budget (``benchmarks.gpu_check.Report``: a section
+that does not fit is skipped, a failure is recorded with its traceback, the report is rewritten
+after every section):
+
+1. env       versions, device.
+2. held_out  the held-out shards (``--held-out-shards``, the prompts of ``.gpucorpus/held_out.npz``).
+3. corpus    train shards from ``--first-shard`` on (the committed CPU shards come before it),
+             at batch ``--batch-size``, until ``--gen-budget-s``; ``corpus_new.tar`` under $OUT
+             is rewritten after every shard, so a cut run still brings back whole shards.
+4. features  target features of every shard (committed + new), the three EAGLE-3 layers.
+5. train     an EAGLE-3 head (8,192-token draft vocabulary, training-time test: 3 fed-back
+             passes, decay 0.8) for ``--steps`` at ``--train-batch``; written in the reference
+             layout and returned as ``head.tar.partN`` files of <= 15 MiB.
+
+Generation and features run with float32 matmuls at "highest" precision (no TF32), so answers
+and features are those of the CPU inference path up to summation order; training uses the
+default precision. Acceptance is then measured on the CPU (``benchmarks/eval_domains.py``;
+acceptance counts do not depend on the machine's speed).
+
+Why the prompts travel: the code prompts come from the running CPython's standard library, and
+the GPU machine runs Python 3.12 (here 3.11), so built there the shards would hold other prompts.
+``--prepare`` writes the train and held-out prompts pre-encoded (``distill.save_prompts``).
+
+Here, before the calls (CPU)::
+
+    python benchmarks/gpu_corpus.py --prepare     # .gpucorpus/ (git-ignored) + GGUF parts in .smol/
+    # the tracked tree travels too and must leave room: --prepare says what to move aside
+
+Then the calls it prints (the first stages GGUF parts, the last runs this script, ~9 minutes).
+Back here::
+
+    python benchmarks/gpu_corpus.py --unpack /work/.device/<files_at>   # shards + head + report
+
+The CPU smoke test (tests/test_benchmarks.py) runs every section on a tiny random model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from benchmarks import weights_transport  # noqa: E402
+from benchmarks.gpu_check import Report, Skip, _tiny_model, sec_env  # noqa: E402
+
+PREP_DIR = os.path.join(REPO, ".gpucorpus")
+CORPUS = os.path.join(REPO, "checkpoints", "corpus", "broad")
+HELD_OUT = os.path.join(REPO, "checkpoints", "corpus", "broad-held-out")
+HEAD_OUT = os.path.join(REPO, "checkpoints", "smollm2-eagle3")
+PART_BYTES = 15 << 20
+TREE_LIMIT_MIB = 64.0
+
+
+def _tar(paths: list[str], dst: str) -> None:
+    with tarfile.open(dst + ".tmp", "w") as t:
+        for p in paths:
+            t.add(p, arcname=os.path.basename(p))
+    os.replace(dst + ".tmp", dst)
+
+
+def _travel_bytes() -> int:
+    """Bytes of the tracked files present in the working tree (what a device call sends)."""
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True).stdout
+    return sum(os.path.getsize(os.path.join(REPO, p)) for p in tracked.decode().split("\0")
+               if p and os.path.isfile(os.path.join(REPO, p)))
+
+
+def prepare() -> None:
+    """Writes .gpucorpus/{train,held_out}.npz (encoded prompts) and the GGUF parts, then prints
+    the device calls."""
+    from specjax.tokenizer import load_tokenizer  # noqa: PLC0415
+    from specjax.train import distill  # noqa: PLC0415
+
+    os.makedirs(PREP_DIR, exist_ok=True)
+    tok = load_tokenizer("smollm2-135m")
+    for split in ("train", "held_out"):
+        path = os.path.join(PREP_DIR, f"{split}.npz")
+        if not os.path.exists(path):
+            distill.save_prompts(path, distill.encode_prompts(tok, split))
+    prep_mib = sum(os.path.getsize(p) for p in glob.glob(os.path.join(PREP_DIR, "*"))) / 2**20
+    tree_mib = _travel_bytes() / 2**20
+    exclude = os.path.join(REPO, ".git", "info", "exclude")
+    have = open(exclude).read() if os.path.exists(exclude) else ""
+    if "/.gpucorpus/" not in have:
+        with open(exclude, "a") as f:
+            f.write("/.gpucorpus/\n")
+    room = TREE_LIMIT_MIB - 4 - prep_mib - tree_mib
+    print(f"tracked tree present: {tree_mib:.1f} MiB; prompts {prep_mib:.1f} MiB; room for GGUF "
+          f"parts: {room:.1f} MiB per call")
+    if room < 16:
+        big = sorted(glob.glob(os.path.join(REPO, "checkpoints", "smollm2-*")))
+        raise SystemExit("too little room in a device call: move shipped checkpoints aside for the "
+                         "calls (they are not needed there) and rerun --prepare, e.g.\n  mkdir -p "
+                         "/tmp/park && mv " + " ".join(os.path.relpath(b, REPO) for b in big)
+                         + " /tmp/park/\n(and move them back afterwards: git status shows them deleted)")
+    weights_transport.make_parts(max_tree_mib=TREE_LIMIT_MIB - 4 - prep_mib)
+    print("For the last call add '.gpucorpus' to carry and run instead:\n  <install as above>"
+          "PYTHONUNBUFFERED=1 python3 benchmarks/gpu_corpus.py --out $OUT")
+
+
+def unpack(files_at: str) -> None:
+    """Puts what a GPU run returned into the repository: new shards into checkpoints/corpus/,
+    the head into checkpoints/smollm2-eagle3/ (with the run's report)."""
+    for name, dst in (("held_out_new.tar", HELD_OUT), ("corpus_new.tar", CORPUS)):
+        src = os.path.join(files_at, name)
+        if os.path.exists(src):
+            with tarfile.open(src) as t:
+                names = [m for m in t.getnames() if not os.path.exists(os.path.join(dst, m))]
+                t.extractall(dst, members=[t.getmember(m) for m in names])
+            print(f"{dst}: {len(names)} new shards")
+    parts = sorted(glob.glob(os.path.join(files_at, "head.tar.part*")),
+                   key=lambda p: int(p.rsplit("part", 1)[1]))
+    if parts:
+        buf = io.BytesIO(b"".join(open(p, "rb").read() for p in parts))
+        with tarfile.open(fileobj=buf) as t:
+            t.extractall(HEAD_OUT)
+        shutil.copy(os.path.join(files_at, "gpu_corpus.json"), os.path.join(HEAD_OUT, "gpu_run.json"))
+        print(f"{HEAD_OUT}: head from {len(parts)} parts")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    out: str
+    first_shard: int
+    held_out_shards: int
+    batch_size: int
+    gen_budget_s: float
+    steps: int
+    train_batch: int
+    seq_len: int
+    draft_vocab: int
+    work: str
+    tiny: bool = False  # CPU smoke: a tiny random target, tiny prompt sets
+
+
+def _target(plan: Plan, explicit: str | None):
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    import specjax as sj  # noqa: PLC0415
+
+    if plan.tiny:
+        class Tok:
+            eos_token_id = 63
+        return _tiny_model(21, jnp.float32, vocab_size=64, num_layers=8), Tok(), "tiny random model"
+    path, where = weights_transport.find_smollm2(explicit)
+    if path is None:
+        raise Skip(where)
+    target = sj.load_model(path, dtype=jnp.float32)
+    return dataclasses.replace(target, source="smollm2-135m"), sj.load_tokenizer(path), where
+
+
+def _prompts(split: str, plan: Plan):
+    from specjax.train import distill  # noqa: PLC0415
+
+    if plan.tiny:
+        import numpy as np  # noqa: PLC0415
+        rng = np.random.RandomState(0 if split == "train" else 1)
+        return [{"ids": rng.randint(0, 63, size=rng.randint(3, 9)).tolist(),
+                 "domain": f"d{i % 3}", "source": f"{split}{i}"} for i in range(24)]
+    path = os.path.join(PREP_DIR, f"{split}.npz")
+    if not os.path.exists(path):
+        raise Skip(f"{path} missing: run --prepare here and carry .gpucorpus")
+    return distill.load_prompts(path)
+
+
+def run(plan: Plan, budget_s: float, explicit_gguf: str | None) -> dict:
+    import jax  # noqa: PLC0415
+
+    from specjax.train import distill, pipeline, trainer  # noqa: PLC0415
+
+    report = Report(plan.out, budget_s, name="gpu_corpus")
+    report.data["plan"] = dataclasses.asdict(plan)
+    report.section("env", sec_env, 0)
+    state = {}
+    corpus_dir = os.path.join(plan.work, "corpus")
+    held_dir = os.path.join(plan.work, "held_out")
+    gen = dict(batch_size=plan.batch_size, shard_size=8 if plan.tiny else 256,
+               max_new_tokens=8 if plan.tiny else 192)
+
+    def load():
+        state["target"], state["tok"], where = _target(plan, explicit_gguf)
+        return {"weights": where}
+
+    def shards(split, src, dst, n, first, budget, tar_name):
+        os.makedirs(dst, exist_ok=True)
+        for p in distill.shard_files(src) if os.path.isdir(src) else []:
+            if not os.path.exists(os.path.join(dst, os.path.basename(p))):
+                shutil.copy(p, dst)
+        have = set(os.listdir(dst))
+        t0 = time.perf_counter()
+        with jax.default_matmul_precision("highest"):
+            paths = distill.generate_corpus(state["target"], state["tok"], dst, prompts=_prompts(split, plan),
+                                            first_shard=first, num_shards=n, budget_s=budget, **gen)
+        new = [p for p in paths if os.path.basename(p) not in have]
+        dt = time.perf_counter() - t0
+        rows = [r for p in new for r in distill.read_rows(p)]
+        tokens = sum(len(r["ids"]) - r["prompt_len"] for r in rows)
+        _tar(new, os.path.join(plan.out, tar_name))
+        return {"new_shards": [os.path.basename(p) for p in new], "answers": len(rows),
+                "answer_tokens": tokens, "seconds": dt, "answer_tokens_per_s": tokens / max(dt, 1e-9),
+                "total_shards": len(distill.shard_files(dst))}
+
+    def features():
+        with jax.default_matmul_precision("highest"):
+            train, held = pipeline.prepare_broad(state["target"], corpus_dir, held_dir, plan.work,
+                                                 aux_layers=_aux(state["target"]))
+        state["data"] = (train, held)
+        return {"train_rows": len(train), "train_answer_tokens": int((train.lengths - train.prompt_lens).sum()),
+                "held_out_rows": len(held)}
+
+    def train():
+        tc = trainer.TrainConfig(steps=plan.steps, batch_size=plan.train_batch, seq_len=plan.seq_len,
+                                 rollout=3, rollout_decay=0.8, save_every=max(plan.steps // 4, 1),
+                                 log_every=max(plan.steps // 50, 1))
+        head_dir = os.path.join(plan.work, "head")
+        rep = pipeline.train_head(state["target"], state["tok"], plan.work, head_dir, "eagle3", True, tc,
+                                  eval_prompts=0, draft_vocab=plan.draft_vocab, data=state["data"])
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as t:
+            for name in sorted(os.listdir(head_dir)):
+                t.add(os.path.join(head_dir, name), arcname=name)
+        blob = buf.getvalue()
+        for i in range(0, len(blob), PART_BYTES):
+            with open(os.path.join(plan.out, f"head.tar.part{i // PART_BYTES}"), "wb") as f:
+                f.write(blob[i:i + PART_BYTES])
+        return {"report": rep, "head_bytes": len(blob)}
+
+    gen_left = lambda: max(0.0, plan.gen_budget_s - (time.perf_counter() - report.t0))  # noqa: E731
+    for name, fn, need in (
+            ("load", load, 5),
+            ("held_out", lambda: shards("held_out", HELD_OUT if not plan.tiny else "", held_dir,
+                                        plan.held_out_shards, 0, None, "held_out_new.tar"), 20),
+            ("corpus", lambda: shards("train", CORPUS if not plan.tiny else "", corpus_dir, None,
+                                      plan.first_shard, gen_left(), "corpus_new.tar"), 30),
+            ("features", features, 20),
+            ("train", train, 30)):
+        res = report.section(name, fn, 0 if plan.tiny else need)
+        if res["status"] != "ok":
+            break
+    report.write()
+    return report.data
+
+
+def _aux(target):
+    from specjax.heads import default_aux_layers  # noqa: PLC0415
+    return default_aux_layers(target.config.num_layers)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "runs/gpu_corpus"))
+    ap.add_argument("--prepare", action="store_true", help="here: encoded prompts + GGUF parts")
+    ap.add_argument("--unpack", default=None, metavar="FILES_AT", help="here: take a run's files in")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny random model, every section, CPU")
+    ap.add_argument("--work", default="/tmp/specjax-gpu-corpus")
+    ap.add_argument("--first-shard", type=int, default=None,
+                    help="first train shard to generate (default: after the committed ones)")
+    ap.add_argument("--held-out-shards", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--gen-budget-s", type=float, default=300.0,
+                    help="no corpus shard starts after this many seconds of the run")
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--train-batch", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--budget-s", type=float, default=540.0)
+    ap.add_argument("--smollm2-gguf", default=None)
+    args = ap.parse_args(argv)
+    if args.prepare:
+        prepare()
+        return {}
+    if args.unpack:
+        unpack(args.unpack)
+        return {}
+    from specjax.train import distill  # noqa: PLC0415
+
+    first = args.first_shard if args.first_shard is not None else len(distill.shard_files(CORPUS))
+    if args.cpu_smoke:
+        plan = Plan(out=args.out, first_shard=0, held_out_shards=1, batch_size=8, gen_budget_s=1e9,
+                    steps=4, train_batch=4, seq_len=32, draft_vocab=32, work=args.work, tiny=True)
+    else:
+        plan = Plan(out=args.out, first_shard=first, held_out_shards=args.held_out_shards,
+                    batch_size=args.batch_size, gen_budget_s=args.gen_budget_s, steps=args.steps,
+                    train_batch=args.train_batch, seq_len=args.seq_len, draft_vocab=args.draft_vocab,
+                    work=args.work)
+    data = run(plan, args.budget_s, args.smollm2_gguf)
+    print(open(os.path.join(args.out, "gpu_corpus.md")).read())
+    return data
+
+
+if __name__ == "__main__":
+    main()
