@@ -343,7 +343,9 @@ def cmd_convert(args) -> int:
         if not isinstance(model, sj.Model):  # a head: EAGLE-3 reference layout or ours
             from specjax.io.heads_io import save_eagle3, save_head  # noqa: PLC0415
             if args.to == "hf":
-                save_eagle3(model, args.out)
+                if args.dtype == "bfloat16":
+                    raise ValueError("--dtype: an EAGLE-3 head is written as float32 or float16")
+                save_eagle3(model, args.out, dtype=args.dtype)
             else:
                 save_head(model, args.out)
         elif args.to == "hf":

@@ -282,6 +282,14 @@ def test_save_load_round_trip_and_torch_reference_reads_ours(hf_target, target, 
                      "--target", hf_target[1], "--no-progress"]) == 0
     for name in ("fc.weight", "lm_head.weight", "d2t", "t2d"):
         assert torch.equal(load_file(str(tmp_path / "hf" / "model.safetensors"))[name], sd[name])
+    # float16 on disk (half the size): the same head up to float16 rounding
+    heads_io.save_eagle3(head, str(tmp_path / "half"), dtype="float16")
+    assert load_file(str(tmp_path / "half" / "model.safetensors"))["fc.weight"].dtype == torch.float16
+    half = sj.load_draft(str(tmp_path / "half"), target=target)
+    np.testing.assert_allclose(sj.draft_logits(target, half, IDS), sj.draft_logits(target, head, IDS),
+                               atol=2e-2)
+    with pytest.raises(ValueError, match="dtype"):
+        heads_io.save_eagle3(head, str(tmp_path / "bad"), dtype="int8")
     # our own format too
     heads_io.save_head(head, str(tmp_path / "ours"))
     ours = sj.load_draft(str(tmp_path / "ours"), target=target)

@@ -399,20 +399,23 @@ def load_eagle3(path_or_state_dict, target_cfg: ModelConfig, dtype=jnp.float32, 
     return Head(params, cfg)
 
 
-def save_eagle3(head: Head, path: str, *, target_params=None) -> None:
+def save_eagle3(head: Head, path: str, *, target_params=None, dtype: str = "float32") -> None:
     """Writes an EAGLE-3 head in the reference layout (``config.json`` + ``model.safetensors``)
     that SafeAILab/EAGLE, SpecForge, vLLM and SGLang load.
 
     ``eagle_config.eagle_aux_hidden_state_layer_ids`` is written in SpecForge/SGLang's convention
     (id = aux layer - 1; see load_eagle3). ``target_params``: also write ``embed_tokens.weight``
     (the target's embedding; engines that load it from the target do not need it). A head
-    without its own embedding is otherwise saved without one. Weights are written as float32.
+    without its own embedding is otherwise saved without one. Weights are written as ``dtype``
+    ("float32", or "float16" to ship a head at half the size; loaders cast to their dtype).
     """
     from safetensors.numpy import save_file  # noqa: PLC0415
 
     cfg = head.config
     if cfg.kind != "eagle3":
         raise ValueError(f"save_eagle3 needs an EAGLE-3 head, got kind {cfg.kind!r}")
+    if dtype not in ("float32", "float16"):
+        raise ValueError(f"save_eagle3: dtype must be 'float32' or 'float16', got {dtype!r}")
     if min(cfg.aux_layers) < 1:
         raise ValueError(f"the reference layout names fused layers by the layer whose output they "
                          f"are: aux layer 0 (the embeddings) cannot be written ({cfg.aux_layers})")
@@ -420,7 +423,7 @@ def save_eagle3(head: Head, path: str, *, target_params=None) -> None:
     tensors = {}
     for name, (path_, transpose, _) in _eagle3_table(cfg).items():
         a = head.params["layer"][path_[1]] if path_[0] == "layer" else head.params[path_[0]]
-        a = np.asarray(a, np.float32)
+        a = np.asarray(a, dtype)
         tensors[name] = np.ascontiguousarray(a.T if transpose else a)
     lc = cfg.layer
     v = lc.vocab_size
@@ -438,7 +441,7 @@ def save_eagle3(head: Head, path: str, *, target_params=None) -> None:
     if emb is None and target_params is not None:
         emb = target_params["embed"]
     if emb is not None:
-        tensors["embed_tokens.weight"] = np.ascontiguousarray(np.asarray(emb, np.float32))
+        tensors["embed_tokens.weight"] = np.ascontiguousarray(np.asarray(emb, dtype))
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "model.safetensors"))
     hf_cfg = {
@@ -450,7 +453,7 @@ def save_eagle3(head: Head, path: str, *, target_params=None) -> None:
         "max_position_embeddings": lc.max_position_embeddings, "vocab_size": v,
         "draft_vocab_size": len(vocab), "target_hidden_size": cfg.feature_size,
         "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layers]},
     }
     if lc.rope_scaling is not None:
@@ -505,7 +508,7 @@ def save_mtp_deepseek(head: Head, path: str, layer_index: int, *, target_params=
     tensors = {}
     for name, (path_, transpose, _) in _mtp_table(cfg, layer_index).items():
         a = head.params["layer"][path_[1]] if path_[0] == "layer" else head.params[path_[0]]
-        a = np.asarray(a, np.float32)
+        a = np.asarray(a, dtype)
         tensors[name] = np.ascontiguousarray(a.T if transpose else a)
     if target_params is not None:
         prefix = f"model.layers.{layer_index}."
