@@ -34,11 +34,19 @@ def _method(draft) -> str:
 
 
 def evaluate(target, tok, draft, configs, prompts_per_domain: int, max_new_tokens: int,
-             batch_size: int = 8) -> dict:
-    """configs: list of (label, generate-kwargs). Returns {label: {domain: stats}}."""
-    held = broad_prompts("held_out", limit_per_domain=prompts_per_domain)
-    by_domain = {d: [tok.apply_chat_template(p["messages"]) for p in held if p["domain"] == d]
+             batch_size: int = 8, encoded: list[dict] | None = None) -> dict:
+    """configs: list of (label, generate-kwargs). ``encoded``: held-out prompts already
+    chat-templated ({ids, domain}, e.g. ``specjax.train.distill.load_prompts``; the first
+    ``prompts_per_domain`` of each domain are used) instead of building them here.
+    Returns {label: {domain: stats}}."""
+    if encoded is None:
+        held = broad_prompts("held_out", limit_per_domain=prompts_per_domain)
+        encoded = [{"ids": tok.apply_chat_template(p["messages"]), "domain": p["domain"]} for p in held]
+    by_domain = {d: [p["ids"] for p in encoded if p["domain"] == d][:prompts_per_domain]
                  for d in DOMAINS}
+    by_domain = {d: ps for d, ps in by_domain.items() if ps}
+    if not by_domain:
+        raise ValueError(f"no held-out prompt belongs to a domain of {DOMAINS}")
     kw = dict(max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id)
     plain = {d: [] for d in DOMAINS}
     for d, ps in by_domain.items():
@@ -102,7 +110,7 @@ def main(argv=None):
           f"{args.max_new_tokens} new tokens ({time.perf_counter() - t0:.0f} s)")
     print("| domain | " + " | ".join(label for label, _ in configs) + " |")
     print("|---|" + "---|" * len(configs))
-    for d in list(DOMAINS) + ["all"]:
+    for d in [d for d in DOMAINS if d in res[configs[0][0]]] + ["all"]:
         print(f"| {d} | " + " | ".join(f"{res[label][d]['mean_accepted_length']:.2f}"
                                        for label, _ in configs) + " |")
     if args.out:

@@ -16,6 +16,13 @@ after every section):
 5. train     an EAGLE-3 head (8,192-token draft vocabulary, training-time test: 3 fed-back
              passes, decay 0.8) for ``--steps`` at ``--train-batch``; written in the reference
              layout and returned as ``head.tar.partN`` files of <= 15 MiB.
+6. arms      the ablation (``--arms``): shorter runs that each change one thing of the main
+             recipe, e.g. ``--arms "mtp:kind=mtp;r1:rollout=1;data1x:shards=8;v32k:vocab=32768"``
+             (keys: kind eagle3|mtp, rollout, shards = the first N train shards, vocab, steps;
+             ``--arm-steps`` by default), each with its held-out top-1 per domain (teacher-forced)
+             and, with ``--arm-accept-prompts`` N > 0, mean accepted length per domain at k=3
+             from decoding N held-out prompts per domain (benchmarks/eval_domains.py). The main
+             head at ``--arm-steps`` is the arms' baseline ("base").
 
 Generation and features run with float32 matmuls at "highest" precision (no TF32), so answers
 and features are those of the CPU inference path up to summation order; training uses the
@@ -136,6 +143,28 @@ def unpack(files_at: str) -> None:
         print(f"{HEAD_OUT}: head from {len(parts)} parts")
 
 
+ARM_KEYS = {"kind": str, "rollout": int, "shards": int, "vocab": int, "steps": int}
+
+
+def parse_arms(spec: str) -> dict:
+    """``"name:key=value,key=value;name2:..."`` -> {name: {key: value}} (see ARM_KEYS)."""
+    arms = {}
+    for part in filter(None, (x.strip() for x in spec.split(";"))):
+        name, _, body = part.partition(":")
+        if not name or name in arms:
+            raise ValueError(f"--arms: every arm needs a new name before ':', got {part!r}")
+        kw = {}
+        for item in filter(None, body.split(",")):
+            key, _, value = item.partition("=")
+            if key not in ARM_KEYS:
+                raise ValueError(f"--arms: unknown key {key!r} in arm {name!r} (keys: {sorted(ARM_KEYS)})")
+            kw[key] = ARM_KEYS[key](value)
+        if kw.get("kind", "eagle3") not in ("eagle3", "mtp"):
+            raise ValueError(f"--arms: kind must be eagle3 or mtp, got {kw['kind']!r}")
+        arms[name] = kw
+    return arms
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     out: str
@@ -148,6 +177,9 @@ class Plan:
     seq_len: int
     draft_vocab: int
     work: str
+    arms: str = ""
+    arm_steps: int = 500
+    arm_accept_prompts: int = 4
     tiny: bool = False  # CPU smoke: a tiny random target, tiny prompt sets
 
 
@@ -172,9 +204,11 @@ def _prompts(split: str, plan: Plan):
 
     if plan.tiny:
         import numpy as np  # noqa: PLC0415
+
+        from specjax.train.prompts import DOMAINS  # noqa: PLC0415
         rng = np.random.RandomState(0 if split == "train" else 1)
         return [{"ids": rng.randint(0, 63, size=rng.randint(3, 9)).tolist(),
-                 "domain": f"d{i % 3}", "source": f"{split}{i}"} for i in range(24)]
+                 "domain": DOMAINS[i % 3], "source": f"{split}{i}"} for i in range(24)]
     path = os.path.join(PREP_DIR, f"{split}.npz")
     if not os.path.exists(path):
         raise Skip(f"{path} missing: run --prepare here and carry .gpucorpus")
@@ -184,6 +218,7 @@ def _prompts(split: str, plan: Plan):
 def run(plan: Plan, budget_s: float, explicit_gguf: str | None) -> dict:
     import jax  # noqa: PLC0415
 
+    from specjax.train import data as data_lib  # noqa: PLC0415
     from specjax.train import distill, pipeline, trainer  # noqa: PLC0415
 
     report = Report(plan.out, budget_s, name="gpu_corpus")
@@ -226,13 +261,24 @@ def run(plan: Plan, budget_s: float, explicit_gguf: str | None) -> dict:
         return {"train_rows": len(train), "train_answer_tokens": int((train.lengths - train.prompt_lens).sum()),
                 "held_out_rows": len(held)}
 
+    def fit(name, kind="eagle3", rollout=3, shards=None, vocab=None, steps=None):
+        steps = steps or plan.steps
+        tc = trainer.TrainConfig(steps=steps, batch_size=plan.train_batch, seq_len=plan.seq_len,
+                                 rollout=rollout, rollout_decay=0.8 if kind == "eagle3" else 1.0,
+                                 save_every=max(steps // 4, 1), log_every=max(steps // 50, 1))
+        train, held = state["data"]
+        if shards is not None:
+            if not 1 <= shards <= len(train.dirs):
+                raise ValueError(f"arm {name}: shards must be in [1, {len(train.dirs)}], got {shards}")
+            train = data_lib.RaggedSet(train.dirs[:shards])
+        head_dir = os.path.join(plan.work, name)
+        rep = pipeline.train_head(state["target"], state["tok"], plan.work, head_dir, kind, True, tc,
+                                  eval_prompts=0, draft_vocab=plan.draft_vocab if vocab is None else vocab,
+                                  run_name=f"run-{name}", data=(train, held))
+        return head_dir, rep
+
     def train():
-        tc = trainer.TrainConfig(steps=plan.steps, batch_size=plan.train_batch, seq_len=plan.seq_len,
-                                 rollout=3, rollout_decay=0.8, save_every=max(plan.steps // 4, 1),
-                                 log_every=max(plan.steps // 50, 1))
-        head_dir = os.path.join(plan.work, "head")
-        rep = pipeline.train_head(state["target"], state["tok"], plan.work, head_dir, "eagle3", True, tc,
-                                  eval_prompts=0, draft_vocab=plan.draft_vocab, data=state["data"])
+        head_dir, rep = fit("head")
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as t:
             for name in sorted(os.listdir(head_dir)):
@@ -243,6 +289,32 @@ def run(plan: Plan, budget_s: float, explicit_gguf: str | None) -> dict:
                 f.write(blob[i:i + PART_BYTES])
         return {"report": rep, "head_bytes": len(blob)}
 
+    def arms():
+        import specjax as sj  # noqa: PLC0415
+        from benchmarks import eval_domains  # noqa: PLC0415
+
+        results = {}
+        held = _prompts("held_out", plan)
+        for name, kw in {"base": {}, **parse_arms(plan.arms)}.items():
+            if report.left() < (0 if plan.tiny else 45):
+                results[name] = {"status": "skipped", "reason": f"{report.left():.0f}s left"}
+                continue
+            t0 = time.perf_counter()
+            head_dir, rep = fit(f"arm-{name}", **{"steps": plan.arm_steps, **kw})
+            res = {"config": kw, "held_out": rep["held_out"], "train_answer_tokens": rep["train_answer_tokens"]}
+            if plan.arm_accept_prompts:
+                head = sj.load_draft(head_dir, target=state["target"])
+                with jax.default_matmul_precision("highest"):
+                    acc = eval_domains.evaluate(state["target"], state["tok"], head,
+                                                [("k=3", dict(method=head.config.kind, num_draft_tokens=3))],
+                                                plan.arm_accept_prompts, 8 if plan.tiny else 64,
+                                                encoded=held)["k=3"]
+                res["accepted_length_k3"] = {d: v["mean_accepted_length"] for d, v in acc.items()}
+                res["identical_to_plain"] = acc["all"]["identical_to_plain"]
+            res["seconds"] = time.perf_counter() - t0
+            results[name] = res
+        return {"arms": results}
+
     gen_left = lambda: max(0.0, plan.gen_budget_s - (time.perf_counter() - report.t0))  # noqa: E731
     for name, fn, need in (
             ("load", load, 5),
@@ -251,7 +323,8 @@ def run(plan: Plan, budget_s: float, explicit_gguf: str | None) -> dict:
             ("corpus", lambda: shards("train", CORPUS if not plan.tiny else "", corpus_dir, None,
                                       plan.first_shard, gen_left(), "corpus_new.tar"), 30),
             ("features", features, 20),
-            ("train", train, 30)):
+            ("train", train, 30),
+            ("arms", arms, 60)):
         res = report.section(name, fn, 0 if plan.tiny else need)
         if res["status"] != "ok":
             break
@@ -282,9 +355,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--train-batch", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--arms", default="", help='ablation arms, e.g. "mtp:kind=mtp;r1:rollout=1" (see 6.)')
+    ap.add_argument("--arm-steps", type=int, default=500)
+    ap.add_argument("--arm-accept-prompts", type=int, default=4,
+                    help="held-out prompts per domain decoded per arm (0: teacher-forced metrics only)")
     ap.add_argument("--budget-s", type=float, default=540.0)
     ap.add_argument("--smollm2-gguf", default=None)
     args = ap.parse_args(argv)
+    try:
+        parse_arms(args.arms)
+    except ValueError as e:
+        ap.error(str(e))
     if args.prepare:
         prepare()
         return {}
@@ -296,12 +377,15 @@ def main(argv=None) -> dict:
     first = args.first_shard if args.first_shard is not None else len(distill.shard_files(CORPUS))
     if args.cpu_smoke:
         plan = Plan(out=args.out, first_shard=0, held_out_shards=1, batch_size=8, gen_budget_s=1e9,
-                    steps=4, train_batch=4, seq_len=32, draft_vocab=32, work=args.work, tiny=True)
+                    steps=4, train_batch=4, seq_len=32, draft_vocab=32, work=args.work,
+                    arms=args.arms or "mtp:kind=mtp,rollout=1;data1:shards=1", arm_steps=2,
+                    arm_accept_prompts=1, tiny=True)
     else:
         plan = Plan(out=args.out, first_shard=first, held_out_shards=args.held_out_shards,
                     batch_size=args.batch_size, gen_budget_s=args.gen_budget_s, steps=args.steps,
                     train_batch=args.train_batch, seq_len=args.seq_len, draft_vocab=args.draft_vocab,
-                    work=args.work)
+                    work=args.work, arms=args.arms, arm_steps=args.arm_steps,
+                    arm_accept_prompts=args.arm_accept_prompts)
     data = run(plan, args.budget_s, args.smollm2_gguf)
     print(open(os.path.join(args.out, "gpu_corpus.md")).read())
     return data

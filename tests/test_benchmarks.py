@@ -59,11 +59,17 @@ def test_gpu_corpus_cpu_smoke_and_unpack(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     gc = _load("gpu_corpus")
     out = tmp_path / "out"
-    data = gc.main(["--cpu-smoke", "--out", str(out), "--work", str(tmp_path / "work")])
+    data = gc.main(["--cpu-smoke", "--out", str(out), "--work", str(tmp_path / "work"),
+                    "--arms", "mtp:kind=mtp,rollout=1"])
     sec = data["sections"]
     assert {k: v["status"] for k, v in sec.items()} == {k: "ok" for k in (
-        "env", "load", "held_out", "corpus", "features", "train")}, \
+        "env", "load", "held_out", "corpus", "features", "train", "arms")}, \
         {k: v.get("error") for k, v in sec.items()}
+    arms = sec["arms"]["arms"]
+    assert set(arms) == {"base", "mtp"} and arms["mtp"]["config"] == {"kind": "mtp", "rollout": 1}
+    assert all(a["identical_to_plain"] and "all" in a["accepted_length_k3"] for a in arms.values())
+    with pytest.raises(SystemExit):
+        gc.main(["--arms", "x:depth=3"])  # unknown key: a usage error naming it
     assert sec["corpus"]["new_shards"] == [f"answers-0000{i}.jsonl.gz" for i in range(3)]
     assert sec["features"]["train_answer_tokens"] == sec["corpus"]["answer_tokens"] > 0
     for name, d in (("CORPUS", "corpus"), ("HELD_OUT", "held"), ("HEAD_OUT", "head")):
