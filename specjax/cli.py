@@ -519,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "prints the answers, acceptance per draft position, tokens/s and the speedup "
                     "as median [min..max] with the other processes' CPU use.")
     _common(demo)
-    demo.add_argument("--method", choices=["draft", "mtp", "eagle", "ngram"], default=None,
+    demo.add_argument("--method", choices=["draft", "mtp", "eagle", "eagle3", "eagle-tree", "ngram"], default=None,
                       help="default: the best shipped draft (MTP head first)")
     demo.add_argument("--rounds", type=int, default=3,
                       help="timed rounds, interleaved plain / speculative / adaptive (default 3)")

@@ -11,10 +11,13 @@ from __future__ import annotations
 import os
 
 SHIPPED_FOR = "smollm2-135m"  # the target (``Model.source``) the shipped drafts were trained for
-KINDS = ("mtp", "eagle", "draft")
-# (folder name, draft kind), best first: within a kind the first present one is used.
-SHIPPED = (("smollm2-mtp-v8k", "mtp"), ("smollm2-mtp", "mtp"), ("smollm2-eagle", "eagle"),
-           ("smollm2-draft", "draft"))
+KINDS = ("mtp", "eagle", "eagle3", "draft")
+# (folder name, draft kind), best first: within a kind the first present one is used. The
+# default draft (no method asked for) is the first present one overall: smollm2-mtp-v8k is the
+# one measured fastest on the CPU (benchmarks/RESULTS.md); smollm2-eagle3-broad accepts more on
+# held-out broad prompts but its wall-clock speed has not been measured side by side yet.
+SHIPPED = (("smollm2-mtp-v8k", "mtp"), ("smollm2-eagle3-broad", "eagle3"), ("smollm2-mtp", "mtp"),
+           ("smollm2-eagle", "eagle"), ("smollm2-draft", "draft"))
 
 
 def checkpoints_dir() -> str:
@@ -30,10 +33,12 @@ def path(name: str) -> str:
 def available(kind: str | None = None) -> list[tuple[str, str]]:
     """(name, kind) of the shipped checkpoints present here, best first; only ``kind`` if given."""
     from specjax.io.checkpoint import is_checkpoint  # noqa: PLC0415 - orbax only when asked
+    from specjax.io.heads_io import is_eagle3_dir  # noqa: PLC0415
 
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS} or None, got {kind!r}")
-    return [(n, k) for n, k in SHIPPED if kind in (None, k) and is_checkpoint(path(n))]
+    return [(n, k) for n, k in SHIPPED if kind in (None, k)
+            and (is_eagle3_dir(path(n)) if k == "eagle3" else is_checkpoint(path(n)))]
 
 
 def best(kind: str) -> str | None:
@@ -71,7 +76,7 @@ def default_draft(target, method: str | None = None, layers: int = 8):
 
     if applies_to(target):
         for name, kind in available():
-            tree_ok = method == "eagle-tree" and kind in ("mtp", "eagle")
+            tree_ok = method == "eagle-tree" and kind in ("mtp", "eagle", "eagle3")
             if method in (None, kind) or tree_ok:
                 return (sj.load_draft(path(name), target=target), f"checkpoints/{name}",
                         method if tree_ok else kind)
