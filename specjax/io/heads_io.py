@@ -508,7 +508,7 @@ def save_mtp_deepseek(head: Head, path: str, layer_index: int, *, target_params=
     tensors = {}
     for name, (path_, transpose, _) in _mtp_table(cfg, layer_index).items():
         a = head.params["layer"][path_[1]] if path_[0] == "layer" else head.params[path_[0]]
-        a = np.asarray(a, dtype)
+        a = np.asarray(a, np.float32)
         tensors[name] = np.ascontiguousarray(a.T if transpose else a)
     if target_params is not None:
         prefix = f"model.layers.{layer_index}."
