@@ -55,7 +55,6 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 import time
@@ -83,13 +82,6 @@ def _tar(paths: list[str], dst: str) -> None:
     os.replace(dst + ".tmp", dst)
 
 
-def _travel_bytes() -> int:
-    """Bytes of the tracked files present in the working tree (what a device call sends)."""
-    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True).stdout
-    return sum(os.path.getsize(os.path.join(REPO, p)) for p in tracked.decode().split("\0")
-               if p and os.path.isfile(os.path.join(REPO, p)))
-
-
 def prepare() -> None:
     """Writes .gpucorpus/{train,held_out}.npz (encoded prompts) and the GGUF parts, then prints
     the device calls."""
@@ -103,7 +95,7 @@ def prepare() -> None:
         if not os.path.exists(path):
             distill.save_prompts(path, distill.encode_prompts(tok, split))
     prep_mib = sum(os.path.getsize(p) for p in glob.glob(os.path.join(PREP_DIR, "*"))) / 2**20
-    tree_mib = _travel_bytes() / 2**20
+    tree_mib = weights_transport.tracked_bytes() / 2**20
     exclude = os.path.join(REPO, ".git", "info", "exclude")
     have = open(exclude).read() if os.path.exists(exclude) else ""
     if "/.gpucorpus/" not in have:

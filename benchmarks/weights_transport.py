@@ -35,15 +35,20 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def tracked_bytes() -> int:
+    """Bytes of the tracked files present in the working tree (what a device call sends)."""
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True).stdout
+    return sum(os.path.getsize(os.path.join(REPO, p)) for p in tracked.decode().split("\0")
+               if p and os.path.isfile(os.path.join(REPO, p)))
+
+
 def make_parts(max_tree_mib: float = 60.0) -> None:
     """Writes .smol/ (the GGUF, xz-compressed, in parts that fit the transfer limit next to the
     repo) and .whl/ (the gguf wheel), and prints the device calls."""
     from specjax.io.gguf import smollm2_gguf_path
 
     src = smollm2_gguf_path()
-    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True).stdout
-    tree = sum(os.path.getsize(os.path.join(REPO, p)) for p in tracked.decode().split("\0")
-               if p and os.path.isfile(os.path.join(REPO, p)))
+    tree = tracked_bytes()
     room = int(max_tree_mib * 2**20 - tree - 2**20)
     if room < 8 << 20:
         raise SystemExit(f"the tracked tree is {tree / 2**20:.1f} MiB: no room for weight parts")
