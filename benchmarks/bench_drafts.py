@@ -11,6 +11,13 @@ output is checked token for token against plain greedy.
 
   python benchmarks/bench_drafts.py --drafts checkpoints/smollm2-mtp,checkpoints/smollm2-draft
   python benchmarks/bench_drafts.py --ks 1,3 --prompts 16 --max-new-tokens 96 --rounds 3
+  python benchmarks/bench_drafts.py --prompt-set broad --prompts 2 --ks 1,2 --trees 3,2,4 --hybrid-min 2
+
+Prompt sets: ``chat`` = held-out wiki chat prompts (``chat_prompts("held_out")``, the first
+``--prompts``); ``broad`` = held-out prompts of every domain of ``specjax.train.prompts``
+(``--prompts`` per domain); ``demo`` = the demo's prompts (``specjax.cli.DEMO_PROMPTS``), each its
+own call. ``--trees`` adds EAGLE-2 dynamic trees (heads only), ``--hybrid-min`` adds n-gram
+hybrid chains (an n-gram match of at least that many tokens replaces the head's draft).
 """
 
 from __future__ import annotations
@@ -28,10 +35,59 @@ from specjax import bench
 from specjax import shipped
 from specjax.heads import Head
 from specjax.train.corpora import chat_prompts
+from specjax.tree import TreeConfig
 
 
 def _method(draft) -> str:
     return draft.config.kind if isinstance(draft, Head) else "draft"
+
+
+def _prompts(tok, prompt_set: str, n: int) -> list[list[int]]:
+    """Chat-templated prompt ids of the prompt set (module docstring)."""
+    if prompt_set == "chat":
+        return [tok.apply_chat_template(m) for m in chat_prompts("held_out", limit=n)]
+    if prompt_set == "broad":
+        from specjax.train.prompts import broad_prompts  # noqa: PLC0415
+        return [tok.apply_chat_template(p["messages"])
+                for p in broad_prompts("held_out", limit_per_domain=n)]
+    from specjax.cli import DEMO_PROMPTS  # noqa: PLC0415
+    return [tok.apply_chat_template([{"role": "user", "content": q}]) for q in DEMO_PROMPTS]
+
+
+def _spec_of_label(label: str) -> dict:
+    """The speculation settings of a row label: "K", "K hybrid H" or "tree D/T/N"."""
+    parts = str(label).split()
+    if parts[0] == "tree":
+        depth, top_k, nodes = (int(x) for x in parts[1].split("/"))
+        return dict(num_draft_tokens=depth, tree=[depth, top_k, nodes], hybrid_min=0)
+    return dict(num_draft_tokens=int(parts[0]), tree=None,
+                hybrid_min=int(parts[2]) if len(parts) > 2 and parts[1] == "hybrid" else 0)
+
+
+def write_fastest(result: dict, command: str, backend: str | None = None) -> dict | None:
+    """The row of ``result`` (this script's JSON) with the best median speedup among trustworthy
+    ones (a shipped draft, output identical to plain, foreign CPU <= 10%) -> checkpoints/
+    fastest.json for ``backend``. Returns the entry written, or None when no row qualifies."""
+    ok = [r for r in result["rows"] if r["identical_to_plain"]
+          and r["max_foreign_cpu"] is not None and r["max_foreign_cpu"] <= 0.10
+          and os.path.basename(os.path.normpath(r["draft"])) in dict(shipped.SHIPPED)]
+    if not ok:
+        print("fastest: no row qualifies (shipped draft, identical output, foreign CPU <= 10%): "
+              "nothing written")
+        return None
+    row = max(ok, key=lambda r: r["speedup"]["median"])
+    entry = dict(draft=os.path.basename(os.path.normpath(row["draft"])), method=row["method"],
+                 **_spec_of_label(row["k"]), speedup=row["speedup"],
+                 mean_accepted_length=row["mean_accepted_length"],
+                 beats_plain=row["speedup"]["median"] > 1.0,
+                 prompt_set=result.get("prompt_set", "chat"), prompts=result["prompts"],
+                 max_new_tokens=result["max_new_tokens"], max_foreign_cpu=row["max_foreign_cpu"],
+                 command=command, date=result["date"], machine=result["machine"],
+                 candidates=len(result["rows"]))
+    path = shipped.write_fastest(entry, backend or jax.default_backend())
+    print(f"fastest: {entry['draft']} {row['k']} ({entry['method']}) "
+          f"{row['speedup']['median']:.2f}x -> {path}")
+    return entry
 
 
 def main(argv=None):
@@ -39,13 +95,31 @@ def main(argv=None):
     ap.add_argument("--drafts", default=",".join(shipped.path(n) for n, _ in shipped.available()),
                     help="comma-separated draft checkpoints (default: every shipped one)")
     ap.add_argument("--ks", default="1,3")
+    ap.add_argument("--prompt-set", choices=("chat", "broad", "demo"), default="chat")
+    ap.add_argument("--trees", default="", help="EAGLE-2 trees depth,top_k,nodes separated by ';' "
+                    "(heads only), e.g. '3,2,4;4,4,16'")
+    ap.add_argument("--hybrid-min", type=int, default=0,
+                    help="also time n-gram hybrid chains with this minimum match (0 = none)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--wait-idle", type=float, default=0.0,
                     help="seconds to wait for a quiet machine before each timed pass")
     ap.add_argument("--out", default="benchmarks/results/drafts.json")
+    ap.add_argument("--write-fastest", action="store_true",
+                    help="store the fastest configuration (identical output, foreign CPU <= 10%%) "
+                         "in checkpoints/fastest.json for this backend: the CLI's and demo's "
+                         "default (specjax.shipped.fastest)")
+    ap.add_argument("--fastest-from", metavar="JSON", default=None,
+                    help="no timing: write checkpoints/fastest.json from an earlier --out JSON "
+                         "(its command is the one given with --fastest-command)")
+    ap.add_argument("--fastest-command", default=None, help="with --fastest-from: the command "
+                    "that produced the JSON")
     args = ap.parse_args(argv)
+    if args.fastest_from:
+        with open(args.fastest_from) as f:
+            result = json.load(f)
+        return 0 if write_fastest(result, args.fastest_command or f"(from {args.fastest_from})") else 1
     ks = [int(k) for k in args.ks.split(",")]
 
     target = sj.load_model("smollm2-135m")
@@ -56,38 +130,47 @@ def main(argv=None):
             drafts[path] = sj.load_draft(path, target)
         else:
             print(f"skipping {path}: not found")
-    prompts = [tok.apply_chat_template(m) for m in chat_prompts("held_out", limit=args.prompts)]
+    prompts = _prompts(tok, args.prompt_set, args.prompts)
     kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=[])
+    trees = [tuple(int(x) for x in t.split(",")) for t in args.trees.split(";") if t.strip()]
 
-    def spec_kw(name, k):
-        return {} if name is None else dict(draft=drafts[name], method=_method(drafts[name]),
-                                            num_draft_tokens=k)
+    configs = {}  # (draft, label) -> (k: drafts verified per step at most, generate kwargs)
+    for name, d in drafts.items():
+        for k in ks:
+            configs[(name, f"{k}")] = (k, dict(draft=d, method=_method(d), num_draft_tokens=k))
+            if args.hybrid_min:
+                configs[(name, f"{k} hybrid {args.hybrid_min}")] = (
+                    k, dict(draft=d, method=_method(d), num_draft_tokens=k, hybrid_min=args.hybrid_min,
+                            ngram_max=max(3, args.hybrid_min)))
+        for depth, top_k, nodes in (trees if isinstance(d, Head) else []):
+            configs[(name, f"tree {depth}/{top_k}/{nodes}")] = (depth, dict(
+                draft=d, method="eagle-tree",
+                tree=TreeConfig(depth=depth, top_k=top_k, num_nodes=nodes)))
 
-    def one_pass(name, k):  # every prompt once, batch 1
-        return [sj.generate(target, [p], **kw, **spec_kw(name, k)) for p in prompts]
+    def one_pass(extra):  # every prompt once, batch 1
+        return [sj.generate(target, [p], **kw, **extra) for p in prompts]
 
-    configs = [(name, k) for name in drafts for k in ks]
-    runs = {"plain": lambda: one_pass(None, None)}
-    runs.update({c: (lambda c=c: one_pass(*c)) for c in configs})
+    runs = {"plain": lambda: one_pass({})}
+    runs.update({c: (lambda c=c: one_pass(configs[c][1])) for c in configs})
     res = bench.interleaved_rounds(runs, rounds=args.rounds, wait_idle_s=args.wait_idle)
     plain = res["plain"]
     want = [o.tokens[0] for o in plain["result"]]
 
     rows = []
-    print(f"\n{len(prompts)} held-out chat prompts, {args.max_new_tokens} new tokens, greedy, "
+    print(f"\n{len(prompts)} {args.prompt_set} prompts, {args.max_new_tokens} new tokens, greedy, "
           f"batch 1, {args.rounds} interleaved rounds; plain pass median "
           f"{bench.spread(plain['wall_s'])['median']:.1f} s")
     print("| draft | method | k | mean accepted length | speedup over plain (median [min, max]) | "
           "identical to plain | max foreign CPU |")
     print("|---|---|---|---|---|---|---|")
-    for (name, k) in configs:
-        r = res[(name, k)]
+    for (name, label), (k, extra) in configs.items():
+        r = res[(name, label)]
         outs = r["result"]
         steps = sum(o.stats["row_steps"] for o in outs)
         after_first = sum(o.stats["generated_tokens"] - 1 for o in outs)
         sp = bench.paired_speedup(plain["wall_s"], r["wall_s"])
         fc = bench.max_foreign(plain, r)
-        row = dict(draft=name, method=_method(drafts[name]), k=k,
+        row = dict(draft=name, method=extra["method"], k=label,
                    mean_accepted_length=after_first / steps if steps else float("nan"),
                    speedup=sp, identical_to_plain=[o.tokens[0] for o in outs] == want,
                    wall_time_s=r["wall_s"], plain_wall_time_s=plain["wall_s"], max_foreign_cpu=fc,
@@ -95,18 +178,24 @@ def main(argv=None):
                        sum(o.stats["per_position_acceptance"][i] * o.stats["row_steps"]
                            for o in outs) / steps for i in range(k)])
         rows.append(row)
-        print(f"| {name} | {row['method']} | {k} | {row['mean_accepted_length']:.2f} | "
+        print(f"| {name} | {row['method']} | {label} | {row['mean_accepted_length']:.2f} | "
               f"{sp['median']:.2f}x [{sp['min']:.2f}, {sp['max']:.2f}] | "
               f"{'yes' if row['identical_to_plain'] else 'NO'} | "
               f"{'?' if fc is None else f'{100 * fc:.0f}%'} |")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "ks": ks,
+        json.dump({"prompt_set": args.prompt_set, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "ks": ks,
                    "rounds": args.rounds, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    "plain_wall_time_s": plain["wall_s"], "rows": rows,
                    "machine": dict(bench.machine_info(), platform=platform.platform(),
                                    devices=[str(d) for d in jax.devices()])}, f, indent=2)
     print(f"wrote {args.out}")
+    if args.write_fastest:
+        import sys  # noqa: PLC0415
+
+        with open(args.out) as f:
+            write_fastest(json.load(f), "python benchmarks/bench_drafts.py " + " ".join(
+                sys.argv[1:] if argv is None else argv))
     return 0
 
 

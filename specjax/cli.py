@@ -46,21 +46,42 @@ def _load(args):
     t0 = time.perf_counter()
     target = sj.load_model(args.model)
     tok = sj.load_tokenizer(args.tokenizer or args.model)
-    draft, draft_name = None, None
+    draft, draft_name, rec = None, None, None
     if args.method == "ngram" and not args.draft:
         draft_name = "n-gram lookup (no draft model)"
     elif args.method != "none":
         if args.draft:
             draft, draft_name = sj.load_draft(args.draft, target=target), args.draft
             args.method = args.method or ("draft" if isinstance(draft, sj.Model) else draft.config.kind)
+        elif (rec := shipped.recommended(target, args.method)) is not None:
+            # the configuration measured fastest on this backend (checkpoints/fastest.json)
+            draft = sj.load_draft(shipped.path(rec["draft"]), target=target)
+            draft_name, args.method = f"checkpoints/{rec['draft']}", rec["method"]
+            _apply_recommended(args, rec)
         else:
             draft, draft_name, args.method = shipped.default_draft(target, args.method)
     if args.k is None:
         args.k = 1 if args.method == "mtp" and not args.adaptive else (3 if args.method == "ngram" else 4)
+    args.recommended = rec
     args.draft_name = draft_name
     _log(f"loaded {args.model} ({target.config.num_layers} layers) in "
          f"{time.perf_counter() - t0:.1f}s" + (f"; draft: {draft_name}" if draft_name else ""))
     return target, tok, draft
+
+
+def _apply_recommended(args, rec: dict) -> None:
+    """Fills the settings the user left unset from a measured-fastest entry (shipped.fastest)."""
+    if args.k is None and rec.get("num_draft_tokens"):
+        args.k = int(rec["num_draft_tokens"])
+    if args.hybrid_min is None:
+        args.hybrid_min = int(rec.get("hybrid_min") or 0)
+    if rec.get("tree"):
+        for name, value in zip(("tree_depth", "tree_top_k", "tree_nodes"), rec["tree"]):
+            if getattr(args, name, None) is None:
+                setattr(args, name, int(value))
+
+
+TREE_DEFAULTS = dict(tree_depth=5, tree_top_k=4, tree_nodes=16)
 
 
 def _tree(args, method):
@@ -69,8 +90,9 @@ def _tree(args, method):
         return None
     from specjax.tree import TreeConfig  # noqa: PLC0415
 
-    return TreeConfig(depth=getattr(args, "tree_depth", 5), top_k=getattr(args, "tree_top_k", 4),
-                      num_nodes=getattr(args, "tree_nodes", 16))
+    depth, top_k, nodes = (getattr(args, n, None) or TREE_DEFAULTS[n]
+                           for n in ("tree_depth", "tree_top_k", "tree_nodes"))
+    return TreeConfig(depth=depth, top_k=top_k, num_nodes=nodes)
 
 
 def _spec_kw(args, method, adaptive=None, k=None) -> dict:
@@ -79,7 +101,8 @@ def _spec_kw(args, method, adaptive=None, k=None) -> dict:
         return {}
     adaptive = args.adaptive if adaptive is None else adaptive
     return dict(num_draft_tokens=k or args.k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                hybrid_min=args.hybrid_min if method in ("draft", "mtp", "eagle", "eagle3") else 0,
+                hybrid_min=(args.hybrid_min or 0) if method in ("draft", "mtp", "eagle", "eagle3")
+                else 0,
                 adaptive=adaptive and method != "eagle-tree")
 
 
@@ -164,6 +187,13 @@ def stream_generate(target, tok, prompts, draft, args, method, write, begin=None
     return outputs, stats
 
 
+def shipped_fastest_note(rec: dict, sp: dict) -> str:
+    """One line on where a measured-fastest entry (checkpoints/fastest.json) came from."""
+    med = sp.get("median")
+    return (f"checkpoints/fastest.json: {rec.get('prompt_set', '?')} prompts, batch 1, "
+            f"{'?' if med is None else f'{med:.2f}x'} over plain, {rec.get('date', '?')}")
+
+
 def cmd_demo(args) -> int:
     import specjax as sj  # noqa: PLC0415
     from specjax import bench  # noqa: PLC0415
@@ -213,6 +243,10 @@ def cmd_demo(args) -> int:
     s = spec.stats
     print(f"\n--- speculative decoding (method {args.method}, draft {args.draft_name}, k={args.k}, "
           f"temperature {args.temperature:.2g}) ---")
+    rec = getattr(args, "recommended", None)
+    if rec:
+        sp = rec.get("speedup", {})
+        print(f"settings: the fastest measured on this backend ({shipped_fastest_note(rec, sp)})")
     print(f"outputs identical to plain decoding: {same}")
     print(f"acceptance rate            {s['acceptance_rate']:.3f}")
     print(f"mean accepted length       {s['mean_accepted_length']:.2f} tokens / target step")
@@ -470,7 +504,9 @@ def _common(p):
                         "(default: the best shipped draft in checkpoints/: MTP, EAGLE, draft LLM; "
                         "else an untrained early-exit draft)")
     p.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=None,
-                   help="draft length k (default: 1 for MTP heads, the one-token MTP case; else 4)")
+                   help="draft length k (default: the measured-fastest k of checkpoints/"
+                        "fastest.json when the shipped draft is used; else 1 for MTP heads, 4 "
+                        "otherwise, 3 for n-gram)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--adaptive", action="store_true",
                    help="pick k in 0..k on device every step from recent acceptance and a cost "
@@ -479,9 +515,9 @@ def _common(p):
                    help="n-gram lookup: shortest suffix match (default: %(default)s)")
     p.add_argument("--ngram-max", type=int, default=3,
                    help="n-gram lookup: longest suffix match (default: %(default)s)")
-    p.add_argument("--hybrid-min", type=int, default=0,
+    p.add_argument("--hybrid-min", type=int, default=None,
                    help="with a draft/head: rows with an n-gram match this long draft by lookup "
-                        "(0 = off)")
+                        "(0 = off; default: the measured-fastest setting, else 0)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
@@ -520,7 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "as median [min..max] with the other processes' CPU use.")
     _common(demo)
     demo.add_argument("--method", choices=["draft", "mtp", "eagle", "eagle3", "eagle-tree", "ngram"], default=None,
-                      help="default: the best shipped draft (MTP head first)")
+                      help="default: the configuration measured fastest on this backend "
+                           "(checkpoints/fastest.json), else the best shipped draft")
     demo.add_argument("--rounds", type=int, default=3,
                       help="timed rounds, interleaved plain / speculative / adaptive (default 3)")
 
@@ -542,11 +579,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="none = plain decoding; eagle-tree = a head drafting an EAGLE-2 "
                           "dynamic tree (--tree-*); ngram = prompt lookup (no draft model, "
                           "--ngram-*); default: the best shipped draft's method")
-    gen.add_argument("--tree-depth", type=int, default=5, help="eagle-tree: draft levels")
-    gen.add_argument("--tree-top-k", type=int, default=4,
-                     help="eagle-tree: children per expanded node and nodes expanded per level")
-    gen.add_argument("--tree-nodes", type=int, default=16,
-                     help="eagle-tree: nodes kept (the target verifies nodes + 1 tokens)")
+    gen.add_argument("--tree-depth", type=int, default=None,
+                     help="eagle-tree: draft levels (default: measured-fastest tree, else 5)")
+    gen.add_argument("--tree-top-k", type=int, default=None,
+                     help="eagle-tree: children per expanded node and nodes expanded per level "
+                          "(default: measured-fastest tree, else 4)")
+    gen.add_argument("--tree-nodes", type=int, default=None,
+                     help="eagle-tree: nodes kept, the target verifies nodes + 1 tokens "
+                          "(default: measured-fastest tree, else 16)")
     gen.add_argument("--no-chat", dest="chat", action="store_false",
                      help="raw text, no chat template")
     gen.add_argument("--stream", action="store_true",

@@ -4,10 +4,16 @@ The repository's ``checkpoints/`` folder (present in a source checkout, see chec
 holds drafts trained for SmolLM2-135M-Instruct. ``SHIPPED`` lists them best first; every caller
 that wants "the shipped draft" (the CLI, ``specjax.bench``, benchmarks/bench_engine.py,
 benchmarks/gpu_check.py) asks this module instead of naming a folder.
+
+``checkpoints/fastest.json`` holds, per JAX backend ("cpu", "gpu", ...), the speculative
+configuration measured fastest at batch 1 (draft, method, k or tree, hybrid n-gram minimum) with
+its speedup, the command and the machine: written by ``benchmarks/bench_drafts.py
+--write-fastest``, read by ``fastest`` / ``recommended`` (the CLI's and demo's defaults).
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 SHIPPED_FOR = "smollm2-135m"  # the target (``Model.source``) the shipped drafts were trained for
@@ -45,6 +51,61 @@ def best(kind: str) -> str | None:
     """Name of the best shipped checkpoint of ``kind`` present here, or None."""
     found = available(kind)
     return found[0][0] if found else None
+
+
+FASTEST_FILE = "fastest.json"
+
+
+def fastest_path() -> str:
+    return os.path.join(checkpoints_dir(), FASTEST_FILE)
+
+
+def fastest(backend: str | None = None) -> dict | None:
+    """The configuration measured fastest on ``backend`` (default: JAX's default backend), as
+    written by ``bench_drafts.py --write-fastest``: {"draft" (a SHIPPED name), "method",
+    "num_draft_tokens", "tree" ([depth, top_k, nodes] or None), "hybrid_min", "speedup",
+    "mean_accepted_length", "command", "date", "machine", ...}; None when nothing was measured
+    there, the file is unreadable, or its draft is not present here."""
+    if backend is None:
+        import jax  # noqa: PLC0415
+
+        backend = jax.default_backend()
+    try:
+        with open(fastest_path()) as f:
+            entry = json.load(f).get(backend)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(entry, dict) or entry.get("draft") not in dict(available()):
+        return None
+    return entry
+
+
+def recommended(target, method: str | None = None) -> dict | None:
+    """``fastest()`` when it applies: the shipped drafts fit ``target`` and ``method`` is None or
+    the measured one ("eagle-tree" also matches a tree entry). None otherwise."""
+    entry = fastest() if applies_to(target) else None
+    if entry is None or method not in (None, entry.get("method")):
+        return None
+    return entry
+
+
+def write_fastest(entry: dict, backend: str, dest: str | None = None) -> str:
+    """Stores ``entry`` (see ``fastest``) for ``backend`` in checkpoints/fastest.json (or
+    ``dest``), keeping the other backends' entries. Returns the path."""
+    if entry.get("draft") not in dict(SHIPPED):
+        raise ValueError(f"entry['draft'] must be one of the shipped drafts "
+                         f"{[n for n, _ in SHIPPED]}, got {entry.get('draft')!r}")
+    dest = dest or fastest_path()
+    try:
+        with open(dest) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        data = {}
+    data[backend] = entry
+    with open(dest, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    return dest
 
 
 def applies_to(target) -> bool:

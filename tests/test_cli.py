@@ -170,3 +170,59 @@ def test_demo_times_interleaved_rounds(tiny_dirs, capsys):
     assert set(timing["tokens_per_second"]) == {"plain", "speculative", "adaptive"}
     with pytest.raises(SystemExit):
         cli.main(["demo", "--model", target, "--tokenizer", "smollm2-135m", "--rounds", "0"])
+
+
+def test_measured_fastest_config_sets_the_defaults(tiny_dirs, tmp_path, monkeypatch, capsys):
+    """checkpoints/fastest.json (written by bench_drafts.py from its measured rows) picks the
+    draft and k the CLI uses when none is given; rows with changed output, high foreign CPU or a
+    draft that is not shipped never win; explicit flags still override; an entry whose draft is
+    absent is ignored."""
+    import importlib.util
+    import os
+    import sys
+
+    import specjax as sj
+    from specjax import shipped
+    from specjax.io.checkpoint import save_checkpoint
+
+    target, draft_dir = tiny_dirs
+    ckpts = tmp_path / "checkpoints"
+    d = sj.load_model(draft_dir)
+    save_checkpoint(str(ckpts / "smollm2-draft"), d.params, d.config)
+    monkeypatch.setattr(shipped, "checkpoints_dir", lambda: str(ckpts))
+    monkeypatch.setattr(shipped, "SHIPPED_FOR", sj.load_model(target).source)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("_bench_drafts_t", os.path.join(
+        root, "benchmarks", "bench_drafts.py"))
+    bd = importlib.util.module_from_spec(spec)
+    sys.modules["_bench_drafts_t"] = bd
+    spec.loader.exec_module(bd)
+
+    def row(draft, k, med, same=True, foreign=0.01):
+        return dict(draft=draft, method="draft", k=k, mean_accepted_length=1.5, identical_to_plain=same,
+                    max_foreign_cpu=foreign, speedup=dict(median=med, min=med, max=med, rounds=3))
+    result = dict(prompt_set="chat", prompts=4, max_new_tokens=8, date="today", machine={},
+                  rows=[row("checkpoints/smollm2-draft", "3", 1.2),
+                        row("checkpoints/smollm2-draft", "2", 1.1),
+                        row("checkpoints/smollm2-draft", "4", 1.9, same=False),
+                        row("checkpoints/smollm2-draft", "1 hybrid 2", 1.8, foreign=0.5),
+                        row("/elsewhere/my-draft", "1", 2.5)])
+    entry = bd.write_fastest(result, "cmd", backend=jax.default_backend())
+    assert (entry["draft"], entry["num_draft_tokens"], entry["hybrid_min"]) == ("smollm2-draft", 3, 0)
+    assert shipped.fastest()["speedup"]["median"] == 1.2 and entry["beats_plain"]
+    assert bd._spec_of_label("tree 4/2/8") == dict(num_draft_tokens=4, tree=[4, 2, 8], hybrid_min=0)
+    capsys.readouterr()
+
+    base = ["generate", "--model", target, "--tokenizer", "smollm2-135m", "--prompt", "Hello",
+            "--max-new-tokens", "6", "--json"]
+    assert cli.main(base) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["method"] == "draft" and stats["num_draft_tokens"] == 3
+    assert cli.main(base + ["-k", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["num_draft_tokens"] == 2
+    assert cli.main(base + ["--method", "ngram"]) == 0  # another method: the entry does not apply
+    assert json.loads(capsys.readouterr().out)["stats"]["method"] == "ngram"
+    with pytest.raises(ValueError, match="shipped drafts"):
+        shipped.write_fastest(dict(draft="nope"), "cpu")
+    (ckpts / "smollm2-draft" / "specjax_config.json").unlink()  # the measured draft is gone
+    assert shipped.fastest() is None
