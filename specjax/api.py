@@ -287,6 +287,40 @@ class GenerateOutput:
     texts: list | None = None  # decoded text per prompt when a tokenizer was available
 
 
+def merge_outputs(outputs: list) -> GenerateOutput:
+    """Several ``generate`` calls (e.g. one prompt each, batch 1) as one output: tokens and texts
+    concatenated; counts, wall time and the k histogram summed; mean accepted length, acceptance
+    per position and acceptance rate recomputed over all row-steps (so they equal what one
+    batched call over the same rows would report for the same accepted drafts)."""
+    if not outputs:
+        raise ValueError("merge_outputs needs at least one GenerateOutput")
+    first = outputs[0].stats
+    tokens = [t for o in outputs for t in o.tokens]
+    texts = None if any(o.texts is None for o in outputs) else [t for o in outputs for t in o.texts]
+    stats = dict(first)
+    for key in ("accepted_tokens", "steps", "row_steps", "generated_tokens", "wall_time_s",
+                "drafted_tokens"):
+        if key in first:
+            stats[key] = sum(o.stats[key] for o in outputs)
+    if "k_histogram" in first:
+        stats["k_histogram"] = [int(sum(c)) for c in zip(*(o.stats["k_histogram"] for o in outputs))]
+    row_steps = stats["row_steps"]
+    per_step = max(row_steps, 1)
+    k = first["num_draft_tokens"]
+    if k:
+        pos = np.zeros(len(first["per_position_acceptance"]))
+        for o in outputs:
+            pos += np.asarray(o.stats["per_position_acceptance"]) * max(o.stats["row_steps"], 1)
+        stats["per_position_acceptance"] = (pos / per_step).tolist()
+        drafted = stats.get("drafted_tokens", per_step * k)
+        stats["acceptance_rate"] = stats["accepted_tokens"] / drafted if drafted else float("nan")
+    stats["mean_accepted_length"] = ((stats["generated_tokens"] - len(tokens)) / per_step
+                                     if row_steps else float("nan"))
+    wall = stats.get("wall_time_s", 0.0)
+    stats["tokens_per_second"] = stats["generated_tokens"] / wall if wall > 0 else float("inf")
+    return GenerateOutput(tokens=tokens, stats=stats, texts=texts)
+
+
 def _bucket(n: int, minimum: int = 16) -> int:
     """Rounds up to a power of two (>= minimum) so nearby sizes share one compilation."""
     b = minimum

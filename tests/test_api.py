@@ -230,3 +230,25 @@ def test_spec_argument_conflicts_and_unavailable_methods(model, monkeypatch):
     monkeypatch.setattr(speculate, "METHODS", ("none",))  # a method the config knows, not the loop
     with pytest.raises(ValueError, match='method="draft" is not available'):
         sj.generate(model, [[1]], draft=model, method="draft")
+
+
+def test_merge_outputs_equals_one_batched_call(model):
+    """Per-prompt calls merged report what one batched greedy call over the same rows reports
+    (the accepted drafts of a row do not depend on its batch-mates), with partial acceptance."""
+    from specjax.api import merge_outputs
+
+    draft = sj.early_exit_draft(model, 1)
+    prompts = [[1, 2, 3], [5, 9, 11, 4, 4], [7]]
+    kw = dict(max_new_tokens=12, draft=draft, method="draft", num_draft_tokens=3, eos_token_id=[])
+    batched = sj.generate(model, prompts, **kw)
+    merged = merge_outputs([sj.generate(model, [p], **kw) for p in prompts])
+    assert merged.tokens == batched.tokens
+    for key in ("accepted_tokens", "row_steps", "generated_tokens"):
+        assert merged.stats[key] == batched.stats[key], key
+    for key in ("mean_accepted_length", "acceptance_rate"):
+        assert merged.stats[key] == pytest.approx(batched.stats[key]), key
+    assert merged.stats["per_position_acceptance"] == pytest.approx(
+        batched.stats["per_position_acceptance"])
+    assert 0 < merged.stats["acceptance_rate"] < 1  # drafts accepted in part: the sums matter
+    with pytest.raises(ValueError, match="at least one"):
+        merge_outputs([])
