@@ -120,6 +120,8 @@ def main(argv=None):
         with open(args.fastest_from) as f:
             result = json.load(f)
         return 0 if write_fastest(result, args.fastest_command or f"(from {args.fastest_from})") else 1
+    if not 0 <= args.hybrid_min <= 3:  # the CLI's default ngram_max, which fastest.json assumes
+        raise SystemExit(f"--hybrid-min must be in [0, 3], got {args.hybrid_min}")
     ks = [int(k) for k in args.ks.split(",")]
 
     target = sj.load_model("smollm2-135m")
@@ -140,8 +142,7 @@ def main(argv=None):
             configs[(name, f"{k}")] = (k, dict(draft=d, method=_method(d), num_draft_tokens=k))
             if args.hybrid_min:
                 configs[(name, f"{k} hybrid {args.hybrid_min}")] = (
-                    k, dict(draft=d, method=_method(d), num_draft_tokens=k, hybrid_min=args.hybrid_min,
-                            ngram_max=max(3, args.hybrid_min)))
+                    k, dict(draft=d, method=_method(d), num_draft_tokens=k, hybrid_min=args.hybrid_min))
         for depth, top_k, nodes in (trees if isinstance(d, Head) else []):
             configs[(name, f"tree {depth}/{top_k}/{nodes}")] = (depth, dict(
                 draft=d, method="eagle-tree",
@@ -182,20 +183,21 @@ def main(argv=None):
               f"{sp['median']:.2f}x [{sp['min']:.2f}, {sp['max']:.2f}] | "
               f"{'yes' if row['identical_to_plain'] else 'NO'} | "
               f"{'?' if fc is None else f'{100 * fc:.0f}%'} |")
+    result = {"prompt_set": args.prompt_set, "prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens, "ks": ks, "rounds": args.rounds,
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "plain_wall_time_s": plain["wall_s"], "rows": rows,
+              "machine": dict(bench.machine_info(), platform=platform.platform(),
+                              devices=[str(d) for d in jax.devices()])}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"prompt_set": args.prompt_set, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "ks": ks,
-                   "rounds": args.rounds, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                   "plain_wall_time_s": plain["wall_s"], "rows": rows,
-                   "machine": dict(bench.machine_info(), platform=platform.platform(),
-                                   devices=[str(d) for d in jax.devices()])}, f, indent=2)
+        json.dump(result, f, indent=2)
     print(f"wrote {args.out}")
     if args.write_fastest:
         import sys  # noqa: PLC0415
 
-        with open(args.out) as f:
-            write_fastest(json.load(f), "python benchmarks/bench_drafts.py " + " ".join(
-                sys.argv[1:] if argv is None else argv))
+        write_fastest(result, "python benchmarks/bench_drafts.py " + " ".join(
+            sys.argv[1:] if argv is None else argv))
     return 0
 
 

@@ -187,13 +187,6 @@ def stream_generate(target, tok, prompts, draft, args, method, write, begin=None
     return outputs, stats
 
 
-def shipped_fastest_note(rec: dict, sp: dict) -> str:
-    """One line on where a measured-fastest entry (checkpoints/fastest.json) came from."""
-    med = sp.get("median")
-    return (f"checkpoints/fastest.json: {rec.get('prompt_set', '?')} prompts, batch 1, "
-            f"{'?' if med is None else f'{med:.2f}x'} over plain, {rec.get('date', '?')}")
-
-
 def cmd_demo(args) -> int:
     import specjax as sj  # noqa: PLC0415
     from specjax import bench  # noqa: PLC0415
@@ -246,8 +239,10 @@ def cmd_demo(args) -> int:
           f"temperature {args.temperature:.2g}) ---")
     rec = getattr(args, "recommended", None)
     if rec:
-        sp = rec.get("speedup", {})
-        print(f"settings: the fastest measured on this backend ({shipped_fastest_note(rec, sp)})")
+        med = rec.get("speedup", {}).get("median")
+        print(f"settings: the fastest measured on this backend (checkpoints/fastest.json: "
+              f"{rec.get('prompt_set', '?')} prompts, batch 1, "
+              f"{'?' if med is None else f'{med:.2f}x'} over plain, {rec.get('date', '?')})")
     print(f"outputs identical to plain decoding: {same}")
     print(f"acceptance rate            {s['acceptance_rate']:.3f}")
     print(f"mean accepted length       {s['mean_accepted_length']:.2f} tokens / target step")
