@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import kv_cache, registry, request, speculate
+from specjax import kv_cache, native, registry, request, speculate
 from specjax.config import ModelConfig, SpecConfig
 from specjax.model import Model, check_params
 
@@ -409,12 +409,16 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
     # 3. run: one jitted call, one host read. Any device->host transfer while it is dispatched
     # raises (on accelerators); the compiled loop holds no host callbacks either
     # (tests/test_api.py inspects its HLO).
+    # On CPU: the linear weights packed for the native few-row matmul (specjax.native), built
+    # once per model; the same numbers as target.params everywhere else.
+    target_params = native.inference_params(target)
+    draft_params = None if draft is None else native.inference_params(draft)
     if spec.adaptive:  # the cost model of this device, batch bucket and model (cached)
         if mesh is not None:
             raise ValueError("adaptive=True is not supported with mesh=... yet")
         from specjax import cost_model  # noqa: PLC0415
         cost = cost_model.measure_costs(
-            target.params, target.config, None if draft is None else draft.params,
+            target_params, target.config, draft_params,
             None if draft is None else draft.config, method=method, kmax=k_eff,
             batch=arrays[0].shape[0], context=arrays[0].shape[1], dtype=target.dtype,
             page_size=spec.page_size, attn_impl=spec.attn_impl)
@@ -422,7 +426,7 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
     t0 = time.perf_counter()
     with jax.transfer_guard_device_to_host("disallow"):
         result = run(
-            target.params, None if draft is None else draft.params, *arrays,
+            target_params, draft_params, *arrays,
             target_cfg=target.config, draft_cfg=None if draft is None else draft.config, lc=spec,
             **sizes)
     out_tokens, num_out, acc_pos, row_steps, steps, *extra = jax.device_get(result)

@@ -428,28 +428,37 @@ def table(results: dict, batch: int) -> str:
     return "\n".join(rows)
 
 
-def time_forward(model, t: int, context: int, repeats: int = 10) -> float:
-    """Median seconds of one jitted target forward over ``t`` new tokens after ``context`` cached
-    tokens (batch 1): the verify (t = k+1) / decode (t = 1) cost ratio behind every speedup."""
+def forward_fn(model, t: int, context: int, params=None):
+    """A zero-argument callable running one jitted forward of ``model`` over ``t`` new tokens
+    after ``context`` cached tokens (batch 1) and blocking on it; compiled on the first call.
+    ``params`` default to what ``sj.generate`` runs (``specjax.native.inference_params``)."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from specjax import kv_cache, registry  # noqa: PLC0415
+    from specjax import kv_cache, native, registry  # noqa: PLC0415
 
     cfg = model.config
+    params = native.inference_params(model) if params is None else params
     per_seq = kv_cache.pages_needed(context + t + 16, 16)
     kv = registry.init_cache(cfg, per_seq, 16, model.dtype)  # the family's cache
     pt = kv_cache.contiguous_page_table(1, per_seq)
-    forward = registry.forward
     toks = jnp.ones((1, t), jnp.int32)
     pos = context + jnp.arange(t, dtype=jnp.int32)[None]
     start = jnp.asarray([context], jnp.int32)
-    fn = jax.jit(lambda p, kv: forward(p, cfg, toks, pos, kv, pt, start)[0])
-    jax.block_until_ready(fn(model.params, kv))
+    fn = jax.jit(lambda p, kv: registry.forward(p, cfg, toks, pos, kv, pt, start)[0])
+    return lambda: jax.block_until_ready(fn(params, kv))
+
+
+def time_forward(model, t: int, context: int, repeats: int = 10) -> float:
+    """Median seconds of one jitted target forward over ``t`` new tokens after ``context`` cached
+    tokens (batch 1, the params ``sj.generate`` runs): the verify (t = k+1) / decode (t = 1) cost
+    ratio behind every speedup."""
+    run = forward_fn(model, t, context)
+    run()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(model.params, kv))
+        run()
         times.append(time.perf_counter() - t0)
     return float(statistics.median(times))
 

@@ -13,6 +13,11 @@ Params layout (weights stored [in, out]; Q/K columns in the HF rotate-half RoPE 
      "norm": [E],
      "lm_head": [E, V]}            # absent when embeddings are tied
 
+For inference on CPU, ``specjax.native.inference_params`` swaps the linear weights for
+``PackedWeight``s (same values plus a panel-packed copy; q/k/v and gate/up fused into one
+weight each, which ``_fused`` splits back) and adds ``"lm_head_packed"``; the functions here
+write ``x @ w`` either way, and the weight picks the product.
+
 Layers are a Python list (unrolled under jit): on CPU a ``lax.scan`` over stacked layers was
 ~45% slower. The same decoder layer serves targets, draft LLMs and the EAGLE/MTP heads, and the
 Llama-attention families of ``specjax.registry`` (llama, mistral, qwen2, qwen3, qwen3_moe): a
@@ -97,6 +102,17 @@ def _linear(x, w, b=None):
     return y if b is None else y + b
 
 
+def _fused(x, lp, names, biases):
+    """``[x @ lp[name] (+ lp[bias])]`` for weights that read the same input. A layer packed by
+    ``specjax.native`` holds them as one weight under "+".join(names) (one pass over the input
+    rows instead of several; its static ``parts`` give the split); else one product each."""
+    fused = lp.get("+".join(names))
+    if fused is None:
+        return [_linear(x, lp[n], lp.get(bn)) for n, bn in zip(names, biases)]
+    outs = jnp.split(x @ fused, np.cumsum(fused.parts)[:-1].tolist(), axis=-1)
+    return [o if lp.get(bn) is None else o + lp[bn] for o, bn in zip(outs, biases)]
+
+
 def attention_core(q, k, v, k_pages, v_pages, page_table, cache_start, valid, new_mask, *,
                    attn_impl):
     """Writes the new tokens' K/V into the paged pools, then attends over prefix + new tokens.
@@ -148,9 +164,8 @@ def decoder_layer(lp, cfg: ModelConfig, x, positions, k_pages, v_pages, page_tab
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     with jax.named_scope("attention"):
         y = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps) if attn_in is None else attn_in
-        q = _linear(y, lp["wq"], lp.get("bq")).reshape(b, t, h, d)
-        k = _linear(y, lp["wk"], lp.get("bk")).reshape(b, t, hkv, d)
-        v = _linear(y, lp["wv"], lp.get("bv")).reshape(b, t, hkv, d)
+        q, k, v = _fused(y, lp, ("wq", "wk", "wv"), ("bq", "bk", "bv"))
+        q, k, v = q.reshape(b, t, h, d), k.reshape(b, t, hkv, d), v.reshape(b, t, hkv, d)
         if "q_norm" in lp:  # Qwen3: RMSNorm over D per head, before RoPE
             q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
@@ -168,8 +183,7 @@ def decoder_layer(lp, cfg: ModelConfig, x, positions, k_pages, v_pages, page_tab
             return x + moe(lp, cfg, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)), k_pages, v_pages
     with jax.named_scope("mlp"):
         y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        gate = _linear(y, lp["w_gate"], lp.get("b_gate"))
-        up = _linear(y, lp["w_up"], lp.get("b_up"))
+        gate, up = _fused(y, lp, ("w_gate", "w_up"), ("b_gate", "b_up"))
         x = x + _linear(jax.nn.silu(gate) * up, lp["w_down"], lp.get("b_down"))
     return x, k_pages, v_pages
 
@@ -177,7 +191,10 @@ def decoder_layer(lp, cfg: ModelConfig, x, positions, k_pages, v_pages, page_tab
 def lm_head(params, cfg: ModelConfig, hidden):
     """Final norm + output projection. hidden: [..., E] (pre-norm) -> float32 logits [..., V]."""
     x = rms_norm(hidden, params["norm"], cfg.rms_norm_eps)
-    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    if "lm_head_packed" in params:  # specjax.native.inference_params: the same matrix, packed
+        w = params["lm_head_packed"]
+    else:
+        w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     return (x @ w).astype(jnp.float32)
 
 
@@ -284,9 +301,12 @@ def init_params(cfg: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02):
     e, f, h, hkv, d, v = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
                           cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
     keys = iter(jax.random.split(key, 10 * cfg.num_layers + 4))
+    extra = iter(range(1, 1 << 30))  # keys past the split (layers with attention and MLP biases)
 
     def w(*shape):
-        return (scale * jax.random.normal(next(keys), shape)).astype(dtype)
+        k = next(keys, None)
+        k = jax.random.fold_in(key, next(extra)) if k is None else k
+        return (scale * jax.random.normal(k, shape)).astype(dtype)
 
     layers = []
     for i in range(cfg.num_layers):

@@ -54,7 +54,8 @@ class Family:
     block: Callable
     # what does not work yet for this family: component -> reason (see ``require``)
     # Components: "sharding" (specjax.sharding.families.shard / load_model(mesh=...)),
-    # "tp_sharding" (specjax.sharding's dp/tp fused loop), "engine" (specjax.engine).
+    # "tp_sharding" (specjax.sharding's dp/tp fused loop), "engine" (specjax.engine),
+    # "native" (specjax.native's packed CPU matmul).
     unsupported: tuple[tuple[str, str], ...] = ()
 
     def from_hf_config(self, hf) -> Any:
@@ -111,7 +112,9 @@ FAMILIES: tuple[Family, ...] = (
            unsupported=(("tp_sharding",
                          "specjax.sharding's dp/tp loop lays out Llama K/V pools and weights; "
                          "place DeepSeek on a deepseek.make_mesh (tp, ep) mesh with "
-                         "load_model(mesh=...) / specjax.sharding.families.shard"),)),
+                         "load_model(mesh=...) / specjax.sharding.families.shard"),
+                        ("native", "MLA and shared-expert weights are not packed for "
+                         "specjax.native's CPU kernel yet (XLA's dot runs them)"))),
 )
 _BY_CLASS = {f.config_class: f for f in FAMILIES}
 FAMILIES_CLASSES = frozenset(_BY_CLASS)  # every registered config class

@@ -336,7 +336,10 @@ def test_kv_compaction_matches_fresh_prefill(small_vocab_target, tc, temperature
                                feats, pos, hkv, hpt, zeros, n - 1)
     for i in range(b):
         np.testing.assert_allclose(logits[i, 0], want[i, n[i] - 1], rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(state.head_hidden[i], hh[i, n[i] - 2], rtol=1e-4, atol=1e-4)
+        # float32 noise scales with the activations (|h| reaches ~200 with scale-1 weights)
+        scale = float(jnp.max(jnp.abs(hh[i, n[i] - 2])))
+        np.testing.assert_allclose(state.head_hidden[i], hh[i, n[i] - 2], rtol=1e-4,
+                                   atol=1e-5 * max(scale, 10.0))
 
 
 V4 = 4  # the depth-3 case samples 5 tokens: 4^5 cells keep the chi-square test dense

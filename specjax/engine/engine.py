@@ -49,7 +49,7 @@ import warnings
 import jax
 import numpy as np
 
-from specjax import registry, request
+from specjax import native, registry, request
 from specjax.api import check_draft
 from specjax.config import SpecConfig
 from specjax.engine import steps
@@ -253,7 +253,9 @@ class Engine:
         self.sc = steps.StepConfig(lc=spec, num_slots=cfg.max_slots, pages_per_seq=pages_per_seq,
                                    history_len=history_len)
         self._costs: dict = {}  # batch bucket -> [K+1] device array (adaptive k)
-        self._draft_params = None if draft is None else draft.params
+        # CPU: linear weights packed for the native few-row matmul (specjax.native)
+        self._target_params = native.inference_params(target)
+        self._draft_params = None if draft is None else native.inference_params(draft)
         self._draft_cfg = None if draft is None else draft.config
         self._state = steps.init_state(target.config, self._draft_cfg, self.sc, num_pages,
                                        target.dtype)
@@ -461,7 +463,7 @@ class Engine:
         if batch not in self._costs:
             from specjax import cost_model  # noqa: PLC0415
             costs = cost_model.measure_costs(
-                self.target.params, self.target.config, self._draft_params, self._draft_cfg,
+                self._target_params, self.target.config, self._draft_params, self._draft_cfg,
                 method=self.config.spec.method, kmax=self.k_eff, batch=batch,
                 context=min(self.config.max_model_len // 2, 256), dtype=self.target.dtype,
                 page_size=self.config.spec.page_size, attn_impl=self.config.spec.attn_impl)
@@ -471,12 +473,12 @@ class Engine:
     def _call(self, kind: str, meta):
         if kind == "spec":
             extra = (self._cost(meta.shape[0]),) if self.config.spec.adaptive else ()
-            out = steps.spec_decode_step(self.target.params, self._draft_params, self._state, meta,
+            out = steps.spec_decode_step(self._target_params, self._draft_params, self._state, meta,
                                          *extra, target_cfg=self.target.config,
                                          draft_cfg=self._draft_cfg, sc=self.sc)
             self._state = out[0]
             return out[1:]
-        out = steps.extend_step(self.target.params, self._draft_params, self._state, meta,
+        out = steps.extend_step(self._target_params, self._draft_params, self._state, meta,
                                 target_cfg=self.target.config, draft_cfg=self._draft_cfg, sc=self.sc)
         self._state = out[0]
         return out[1:]

@@ -1,0 +1,193 @@
+// Skinny matmul for CPU decode and verify: y[M, N] = x[M, K] @ W for a handful of rows.
+//
+// Why: XLA:CPU runs M = 1 as a streaming GEMV but M = 2..16 (a speculative verify) as a packed
+// GEMM whose cost is ~1.4-2x the GEMV on a 2-core machine, which is what made verification dear
+// on CPU (benchmarks/RESULTS.md, "Native skinny matmul"). This kernel reads each weight once for
+// up to 8 rows at a time, so a verify over 2-8 tokens costs about what one decode step costs.
+//
+// Layout: W arrives pre-packed as column panels wp[P, K, NB] (panel p holds columns
+// p*NB .. p*NB+NB-1 of the [K, N] weight, contiguous in k; the last panel zero-padded), so each
+// panel is one contiguous stream. Every output row is accumulated in the same k order whatever
+// M is, so a row's result does not depend on the other rows in the call (decode and verify give
+// bit-identical projections for the same input row).
+//
+// Threads: the panels are shared out through XLA's intra-op thread pool (the FFI ThreadPool
+// context): the calling thread and up to num_threads helpers claim chunks of panels from an
+// atomic counter; the caller returns when every chunk is done. Helpers that start late find no
+// work and exit, so nothing waits on a busy pool.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include <immintrin.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kNB = 32;  // panel width (columns)
+constexpr int kMaxRows = 8;  // rows per pass over the weights
+
+// One SIMD register of floats: AVX-512, AVX2 + FMA, or a plain float (portable, slow).
+#if defined(__AVX512F__)
+typedef __m512 Vec;
+constexpr int kVec = 16;
+inline Vec VLoad(const float* p) { return _mm512_loadu_ps(p); }
+inline void VStore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec VZero() { return _mm512_setzero_ps(); }
+inline Vec VFma(float a, Vec b, Vec c) { return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c); }
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 Vec;
+constexpr int kVec = 8;
+inline Vec VLoad(const float* p) { return _mm256_loadu_ps(p); }
+inline void VStore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec VZero() { return _mm256_setzero_ps(); }
+inline Vec VFma(float a, Vec b, Vec c) { return _mm256_fmadd_ps(_mm256_set1_ps(a), b, c); }
+#else
+typedef float Vec;
+constexpr int kVec = 1;
+inline Vec VLoad(const float* p) { return *p; }
+inline void VStore(float* p, Vec v) { *p = v; }
+inline Vec VZero() { return 0.0f; }
+inline Vec VFma(float a, Vec b, Vec c) { return __builtin_fmaf(a, b, c); }
+#endif
+constexpr int kV = kNB / kVec;  // registers per panel row
+
+// y[m, p*NB + j] for m < M over NP adjacent panels (NP = 2 gives more independent
+// accumulators when few rows share each weight load). Accumulators stay in registers: every
+// loop below has constant bounds and is unrolled.
+template <int M, int NP>
+inline void PanelKernel(const float* __restrict wp, const float* __restrict x, float* __restrict y,
+                        int64_t K, int64_t N, int64_t p) {
+  Vec acc[M][NP][kV];
+#pragma GCC unroll 64
+  for (int i = 0; i < M * NP * kV; ++i) (&acc[0][0][0])[i] = VZero();
+  const float* w = wp + p * K * kNB;
+  for (int64_t k = 0; k < K; ++k) {
+    Vec wv[NP][kV];
+#pragma GCC unroll 8
+    for (int q = 0; q < NP; ++q)
+#pragma GCC unroll 32
+      for (int v = 0; v < kV; ++v) wv[q][v] = VLoad(w + q * K * kNB + k * kNB + v * kVec);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const float xs = x[m * K + k];
+#pragma GCC unroll 8
+      for (int q = 0; q < NP; ++q)
+#pragma GCC unroll 32
+        for (int v = 0; v < kV; ++v) acc[m][q][v] = VFma(xs, wv[q][v], acc[m][q][v]);
+    }
+  }
+  for (int q = 0; q < NP; ++q) {
+    const int64_t col = (p + q) * kNB;
+    const int64_t width = std::min<int64_t>(kNB, N - col);
+    for (int m = 0; m < M; ++m) {
+      if (width == kNB) {
+        for (int v = 0; v < kV; ++v) VStore(y + m * N + col + v * kVec, acc[m][q][v]);
+      } else if (width > 0) {  // the zero-padded last panel: write only the real columns
+        alignas(64) float tail[kNB];
+        for (int v = 0; v < kV; ++v) VStore(tail + v * kVec, acc[m][q][v]);
+        std::memcpy(y + m * N + col, tail, width * sizeof(float));
+      }
+    }
+  }
+}
+
+template <int M>
+void Panels(const float* wp, const float* x, float* y, int64_t K, int64_t N, int64_t p0,
+            int64_t p1) {
+  int64_t p = p0;
+  if constexpr (M <= 4) {
+    for (; p + 2 <= p1; p += 2) PanelKernel<M, 2>(wp, x, y, K, N, p);
+  }
+  for (; p < p1; ++p) PanelKernel<M, 1>(wp, x, y, K, N, p);
+}
+
+void RowsPanels(int rows, const float* wp, const float* x, float* y, int64_t K, int64_t N,
+                int64_t p0, int64_t p1) {
+  switch (rows) {
+    case 1: return Panels<1>(wp, x, y, K, N, p0, p1);
+    case 2: return Panels<2>(wp, x, y, K, N, p0, p1);
+    case 3: return Panels<3>(wp, x, y, K, N, p0, p1);
+    case 4: return Panels<4>(wp, x, y, K, N, p0, p1);
+    case 5: return Panels<5>(wp, x, y, K, N, p0, p1);
+    case 6: return Panels<6>(wp, x, y, K, N, p0, p1);
+    case 7: return Panels<7>(wp, x, y, K, N, p0, p1);
+    default: return Panels<8>(wp, x, y, K, N, p0, p1);
+  }
+}
+
+// Shared by the caller and its helpers; helpers hold it by shared_ptr, so a late helper can
+// still read the counter after the caller has returned.
+struct Work {
+  const float* wp;
+  const float* x;
+  float* y;
+  int64_t M, K, N, P, chunk, num_chunks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Run() {
+    for (;;) {
+      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= num_chunks) return;
+      const int64_t p0 = c * chunk, p1 = std::min(P, p0 + chunk);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+        RowsPanels(rows, wp, x + m0 * K, y + m0 * N, K, N, p0, p1);
+      }
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::F32> wp, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = wp.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("skinny_matmul: x [M, K], wp [P, K, NB], y [M, N]");
+  const int64_t M = xd[0], K = xd[1], P = wd[0], N = yd[1];
+  if (wd[1] != K || wd[2] != kNB || yd[0] != M || N > P * kNB || N <= (P - 1) * kNB)
+    return ffi::Error::InvalidArgument("skinny_matmul: shapes do not agree");
+  auto work = std::make_shared<Work>();
+  work->wp = wp.typed_data();
+  work->x = x.typed_data();
+  work->y = y->typed_data();
+  work->M = M;
+  work->K = K;
+  work->N = N;
+  work->P = P;
+  // ~4 chunks per thread (even panel counts keep the two-panel kernel busy); small weights
+  // run on the caller alone.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t bytes = P * K * kNB * static_cast<int64_t>(sizeof(float));
+  const int64_t helpers = bytes < (256 << 10) ? 0 : threads - 1 + (threads == 1 ? 0 : 1);
+  int64_t chunk = std::max<int64_t>(2, P / std::max<int64_t>(1, 4 * (helpers + 1)));
+  chunk += chunk % 2;
+  work->chunk = chunk;
+  work->num_chunks = (P + chunk - 1) / chunk;
+  for (int64_t i = 0; i < std::min(helpers, work->num_chunks - 1); ++i)
+    pool.Schedule([work] { work->Run(); });
+  work->Run();
+  while (work->done.load(std::memory_order_acquire) < work->num_chunks) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSkinnyMatmul, SkinnyMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,236 @@
+"""Native CPU matmul for the few-row products of decode and verify (an XLA FFI custom call).
+
+Why: on CPU, XLA runs ``x @ w`` with one row as a streaming GEMV but with 2..16 rows (a
+speculative verify over k + 1 tokens) as a packed GEMM that costs 1.4-2x the GEMV, so verifying
+k + 1 tokens cost ~1.4x a decode step before any draft ran (benchmarks/RESULTS.md, "Native
+skinny matmul"). ``specjax/csrc/skinny_matmul.cc`` reads each weight once for up to 8 rows at a
+time from a panel-packed copy, so a verify costs about what a decode step does.
+
+Pieces:
+
+* ``skinny_matmul(x [M, K], panels [P, K, NB], n) -> [M, n]`` (the custom call) and its plain
+  twin ``skinny_matmul_reference`` (unpack, ``x @ w``).
+* ``PackedWeight``: a pytree holding a weight [K, N] and its panels; ``x @ packed`` (its
+  ``__rmatmul__``) runs the kernel when x has at most ``MAX_ROWS`` rows and XLA's dot on the
+  canonical weight otherwise (prefill, big batches). Model code keeps writing ``x @ w``.
+* ``inference_params(model)``: a copy of a Llama-family model's params whose linear weights are
+  ``PackedWeight``s plus ``"lm_head_packed"`` (the output projection, tied or not), built once
+  per model object and kept on it. ``sj.generate`` and the engine run on it; everything else
+  (training, checkpoints, heads reading the target's embedding) sees the canonical params.
+
+The kernel is compiled on first use with the system C++ compiler for this CPU (``-march=native``)
+into ``~/.cache/specjax/native`` (``SPECJAX_CACHE`` moves it) and registered with
+``jax.ffi``. Without a compiler, on another backend, or with ``SPECJAX_NATIVE=0`` the packing is
+skipped and every product is XLA's: the results agree to float32 rounding (the kernel
+accumulates each row in k order with FMAs, so a row's result never depends on the other rows in
+the call: decode and verify see bit-identical projections of the same input row).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import registry
+
+log = logging.getLogger("specjax.native")
+
+NB = 32  # panel width (columns); must match kNB in skinny_matmul.cc
+MAX_ROWS = 16  # x @ packed runs the kernel up to this many rows, XLA's dot above
+TARGET = "specjax_skinny_matmul"
+LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+FUSED = (("wq", "wk", "wv"), ("w_gate", "w_up"))  # packed as one weight "wq+wk+wv", "w_gate+w_up"
+_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "skinny_matmul.cc")
+
+
+# ----------------------------------------------------------------------------- build + register
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU's model name and flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _build(cxx: str) -> str:
+    """Compiles the kernel (once per source, compiler, jax and CPU) and returns the .so path."""
+    with open(_SOURCE, "rb") as f:
+        src = f.read()
+    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+    key = hashlib.sha256(b"\0".join([
+        src, cxx.encode(), " ".join(flags).encode(), jax.__version__.encode(),
+        _cpu_signature().encode()])).hexdigest()[:16]
+    cache = os.path.join(os.environ.get("SPECJAX_CACHE", os.path.expanduser("~/.cache/specjax")),
+                         "native")
+    path = os.path.join(cache, f"skinny_matmul-{key}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(cache, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        subprocess.run([cxx, *flags, f"-I{jax.ffi.include_dir()}", _SOURCE, "-o", tmp],
+                       check=True, capture_output=True, timeout=300)
+        os.replace(tmp, path)  # atomic: a concurrent build never sees half a library
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+@functools.cache
+def available() -> bool:
+    """True when the kernel is built and registered for the CPU backend (decided once).
+
+    False on a non-CPU default backend, without a C++ compiler, or with ``SPECJAX_NATIVE=0``.
+    """
+    if os.environ.get("SPECJAX_NATIVE", "1") == "0" or jax.default_backend() != "cpu":
+        return False
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        log.info("no C++ compiler: the native skinny matmul is off")
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(_build(cxx))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpecjaxSkinnyMatmul),
+                                    platform="cpu")
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("native skinny matmul unavailable (%s); using XLA's dot", e)
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- the op + its twin
+
+def pack(w):
+    """[K, N] weight -> [P, K, NB] column panels (P = ceil(N / NB), last one zero-padded)."""
+    k, n = w.shape
+    p = -(-n // NB)
+    w = jnp.pad(jnp.asarray(w, jnp.float32), ((0, 0), (0, p * NB - n)))
+    return w.reshape(k, p, NB).transpose(1, 0, 2)
+
+
+def skinny_matmul(x, panels, n: int):
+    """x [M, K] float32 @ the weight packed in ``panels`` [P, K, NB] -> [M, n] float32.
+
+    The native kernel (``available()`` must be True). M may be any size, but it pays only for
+    few rows: one pass over the weights per 8 rows.
+    """
+    if x.ndim != 2 or panels.ndim != 3 or panels.shape[1:] != (x.shape[1], NB):
+        raise ValueError(f"skinny_matmul: x must be [M, K] and panels [P, K, {NB}], got "
+                         f"{x.shape} and {panels.shape}")
+    if not (panels.shape[0] - 1) * NB < n <= panels.shape[0] * NB:
+        raise ValueError(f"skinny_matmul: n={n} does not fit {panels.shape[0]} panels of {NB}")
+    if x.dtype != jnp.float32 or panels.dtype != jnp.float32:
+        raise TypeError(f"skinny_matmul takes float32, got {x.dtype} and {panels.dtype}")
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, panels)
+
+
+def skinny_matmul_reference(x, panels, n: int):
+    """The plain-jnp twin of ``skinny_matmul``: unpack the panels, then ``x @ w``."""
+    p, k, nb = panels.shape
+    w = panels.transpose(1, 0, 2).reshape(k, p * nb)[:, :n]
+    return jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A linear weight in both layouts: ``x @ packed`` picks the faster product by row count.
+
+    Fields:
+      w: [K, N] the canonical weight (XLA's dot, for more than MAX_ROWS rows).
+      panels: [P, K, NB] its column panels (the native kernel, for up to MAX_ROWS rows).
+      parts: static output widths of the weights fused into this one (``model._fused`` splits
+        the product back), or (N,).
+    """
+
+    w: jax.Array
+    panels: jax.Array
+    # output widths of the weights concatenated into this one (q|k|v, gate|up), or (N,)
+    parts: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+
+    @property
+    def shape(self):
+        return self.w.shape
+
+    @property
+    def dtype(self):
+        return self.w.dtype
+
+    @property
+    def ndim(self):
+        return 2
+
+    def __rmatmul__(self, x):  # x [..., K] -> [..., N]
+        rows = int(np.prod(x.shape[:-1]))
+        if rows > MAX_ROWS or x.dtype != jnp.float32:
+            return x @ self.w
+        y = skinny_matmul(x.reshape(rows, x.shape[-1]), self.panels, self.w.shape[1])
+        return y.reshape(*x.shape[:-1], self.w.shape[1])
+
+
+def pack_weight(*ws) -> PackedWeight:
+    """One or more [K, N_i] weights that multiply the same input -> one PackedWeight [K, sum N_i]."""
+    w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=1)
+    return PackedWeight(w=w, panels=pack(w), parts=tuple(int(a.shape[1]) for a in ws))
+
+
+# ----------------------------------------------------------------------------- params
+
+def pack_params(params: dict) -> dict:
+    """A copy of a Llama-family params pytree for inference with the native kernel: the dense
+    layers' float32 [K, N] linear weights (``LINEAR_KEYS``) become ``PackedWeight``s (q/k/v and
+    gate/up fused into one each, ``FUSED``, which ``model._fused`` splits back) and
+    ``"lm_head_packed"`` holds the output projection (``embed.T`` when tied). Other tensors
+    (norms, biases, MoE experts, the embedding) are shared, not copied."""
+    def packable(a):
+        return getattr(a, "ndim", 0) == 2 and a.dtype == jnp.float32
+
+    def layer(lp):
+        lp = dict(lp)
+        for group in FUSED:  # q|k|v and gate|up read the same input: one product each
+            if all(n in lp and packable(lp[n]) for n in group):
+                lp["+".join(group)] = pack_weight(*(lp.pop(n) for n in group))
+        return {name: (pack_weight(a) if name in LINEAR_KEYS and packable(a) else a)
+                for name, a in lp.items()}
+
+    out = dict(params, layers=[layer(lp) for lp in params["layers"]])
+    head = params.get("lm_head")
+    head = params["embed"].T if head is None else head
+    if head.dtype == jnp.float32:
+        out["lm_head_packed"] = pack_weight(head)
+    return out
+
+
+def inference_params(model):
+    """The params to run ``model`` (a ``specjax.model.Model``) with: ``pack_params(model.params)``
+    when the kernel is available, built on first use and kept on the model object (its params
+    are immutable), else ``model.params``. Heads and None pass through unchanged (their
+    products are one row and small)."""
+    params = getattr(model, "params", None)
+    if not isinstance(params, dict) or "layers" not in params or "embed" not in params \
+            or not available() or "native" in dict(registry.family_of(model.config).unsupported):
+        return params
+    cached = model.__dict__.get("_inference_params")
+    if cached is None or cached[0] is not params:
+        cached = (params, pack_params(params))
+        object.__setattr__(model, "_inference_params", cached)  # a cache, not model state
+    return cached[1]
