@@ -3,7 +3,7 @@
 The verify / decode cost ratio decides whether speculation pays (a k-token chain verifies
 T = k + 1 tokens; a tree N + 1). This times one jitted SmolLM2 forward at batch 1 after
 ``--context`` cached tokens for each T, with the canonical params (every product is XLA's dot)
-and with ``specjax.native.inference_params`` (the packed kernel for up to 16 rows), in
+and with ``specjax.native.inference_params`` (the packed kernel for up to MAX_ROWS rows), in
 interleaved rounds (specjax.bench.interleaved_rounds: warm-up excluded, alternating order, the
 other processes' CPU share recorded), and reports milliseconds and the ratios to each side's own
 T = 1 step (median [min..max] over rounds).
@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import time
 
 import specjax as sj
 from specjax import bench, native
@@ -52,7 +54,10 @@ def main(argv=None) -> dict:
             row[f"{side}_over_own_decode"] = bench.paired_speedup(own, ms[f"{side} T=1"])
         row["native_over_xla"] = bench.paired_speedup(ms[f"native T={t}"], ms[f"xla T={t}"])
         rows.append(row)
-    result = {"model": args.model, "context": args.context, "repeats": args.repeats,
+    result = {"command": "python benchmarks/bench_native.py " + " ".join(
+                  sys.argv[1:] if argv is None else argv),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "model": args.model, "context": args.context, "repeats": args.repeats,
               "rounds": args.rounds, "rows": rows, "max_foreign_cpu": bench.max_foreign(*timed.values()),
               "machine": bench.machine_info()}
     print(f"{'T':>3} | {'xla ms':>8} | {'native ms':>9} | xla / own T=1 | native / own T=1 | "

@@ -411,8 +411,9 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
     # (tests/test_api.py inspects its HLO).
     # On CPU: the linear weights packed for the native few-row matmul (specjax.native), built
     # once per model; the same numbers as target.params everywhere else.
-    target_params = native.inference_params(target)
-    draft_params = None if draft is None else native.inference_params(draft)
+    target_params = native.inference_params(target) if mesh is None else target.params
+    draft_params = None if draft is None else (
+        native.inference_params(draft, target) if mesh is None else draft.params)
     if spec.adaptive:  # the cost model of this device, batch bucket and model (cached)
         if mesh is not None:
             raise ValueError("adaptive=True is not supported with mesh=... yet")

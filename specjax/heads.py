@@ -293,7 +293,9 @@ def head_logits(head_params, cfg: HeadConfig, target_params, target_cfg: ModelCo
         x = rms_norm(hidden, norm, eps)
     else:
         x = hidden
-    if cfg.kind == "eagle3":
+    if "lm_head_packed" in head_params:  # specjax.native.inference_params: the matrix below, packed
+        w = head_params["lm_head_packed"]
+    elif cfg.kind == "eagle3":
         w = head_params["lm_head"]  # [E, Vd]: trained over the draft vocabulary
     elif "lm_head" in head_params:  # own full-vocabulary head (loaded DeepSeek MTP)
         w = _columns(head_params["lm_head"], vocab)

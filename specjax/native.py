@@ -3,8 +3,9 @@
 Why: on CPU, XLA runs ``x @ w`` with one row as a streaming GEMV but with 2..16 rows (a
 speculative verify over k + 1 tokens) as a packed GEMM that costs 1.4-2x the GEMV, so verifying
 k + 1 tokens cost ~1.4x a decode step before any draft ran (benchmarks/RESULTS.md, "Native
-skinny matmul"). ``specjax/csrc/skinny_matmul.cc`` reads each weight once for up to 8 rows at a
-time from a panel-packed copy, so a verify costs about what a decode step does.
+skinny matmul"). ``specjax/csrc/skinny_matmul.cc`` streams each weight from memory once for all
+rows (from a panel-packed copy), so a verify costs little more than a decode step, and batched
+decoding (up to ``MAX_ROWS`` rows) runs faster than XLA's GEMM too.
 
 Pieces:
 
@@ -48,7 +49,7 @@ from specjax import registry
 log = logging.getLogger("specjax.native")
 
 NB = 32  # panel width (columns); must match kNB in skinny_matmul.cc
-MAX_ROWS = 16  # x @ packed runs the kernel up to this many rows, XLA's dot above
+MAX_ROWS = 128  # x @ packed runs the kernel up to this many rows, XLA's dot above (prefill)
 TARGET = "specjax_skinny_matmul"
 LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 FUSED = (("wq", "wk", "wv"), ("w_gate", "w_up"))  # packed as one weight "wq+wk+wv", "w_gate+w_up"
@@ -128,8 +129,8 @@ def pack(w):
 def skinny_matmul(x, panels, n: int):
     """x [M, K] float32 @ the weight packed in ``panels`` [P, K, NB] -> [M, n] float32.
 
-    The native kernel (``available()`` must be True). M may be any size, but it pays only for
-    few rows: one pass over the weights per 8 rows.
+    The native kernel (``available()`` must be True). M may be any size; the weights stream
+    from memory once, and the compute grows with M (XLA's GEMM wins for prefill-sized M).
     """
     if x.ndim != 2 or panels.ndim != 3 or panels.shape[1:] != (x.shape[1], NB):
         raise ValueError(f"skinny_matmul: x must be [M, K] and panels [P, K, {NB}], got "
@@ -195,24 +196,23 @@ def pack_weight(*ws) -> PackedWeight:
 
 # ----------------------------------------------------------------------------- params
 
+def _pack_layer(lp: dict) -> dict:
+    """One decoder layer's dict with its linear weights packed (q|k|v, gate|up fused)."""
+    lp = dict(lp)
+    for group in FUSED:  # q|k|v and gate|up read the same input: one product each
+        if all(n in lp and _packable(lp[n]) for n in group):
+            lp["+".join(group)] = pack_weight(*(lp.pop(n) for n in group))
+    return {name: (pack_weight(a) if name in LINEAR_KEYS and _packable(a) else a)
+            for name, a in lp.items()}
+
+
 def pack_params(params: dict) -> dict:
     """A copy of a Llama-family params pytree for inference with the native kernel: the dense
     layers' float32 [K, N] linear weights (``LINEAR_KEYS``) become ``PackedWeight``s (q/k/v and
     gate/up fused into one each, ``FUSED``, which ``model._fused`` splits back) and
     ``"lm_head_packed"`` holds the output projection (``embed.T`` when tied). Other tensors
     (norms, biases, MoE experts, the embedding) are shared, not copied."""
-    def packable(a):
-        return getattr(a, "ndim", 0) == 2 and a.dtype == jnp.float32
-
-    def layer(lp):
-        lp = dict(lp)
-        for group in FUSED:  # q|k|v and gate|up read the same input: one product each
-            if all(n in lp and packable(lp[n]) for n in group):
-                lp["+".join(group)] = pack_weight(*(lp.pop(n) for n in group))
-        return {name: (pack_weight(a) if name in LINEAR_KEYS and packable(a) else a)
-                for name, a in lp.items()}
-
-    out = dict(params, layers=[layer(lp) for lp in params["layers"]])
+    out = dict(params, layers=[_pack_layer(lp) for lp in params["layers"]])
     head = params.get("lm_head")
     head = params["embed"].T if head is None else head
     if head.dtype == jnp.float32:
@@ -220,17 +220,68 @@ def pack_params(params: dict) -> dict:
     return out
 
 
-def inference_params(model):
-    """The params to run ``model`` (a ``specjax.model.Model``) with: ``pack_params(model.params)``
-    when the kernel is available, built on first use and kept on the model object (its params
-    are immutable), else ``model.params``. Heads and None pass through unchanged (their
-    products are one row and small)."""
+def inference_params(model, target=None):
+    """The params to run ``model`` with, packed for the native kernel when it is available:
+
+    * a ``specjax.model.Model`` (target or draft LLM): ``pack_params(model.params)``;
+    * a ``specjax.heads.Head`` (pass its ``target``): its block, ``eh_proj`` / ``fc`` packed, and
+      ``"lm_head_packed"`` = its output projection over its (draft) vocabulary, precomputed
+      (``heads.output_matrix`` would otherwise gather the target's rows every draft step).
+
+    Built on first use and kept on the object (params are immutable). ``model.params`` as they
+    are when the kernel is off, the params are sharded over several devices, or the family is
+    marked "native"-unsupported in the registry. None passes through.
+    """
     params = getattr(model, "params", None)
-    if not isinstance(params, dict) or "layers" not in params or "embed" not in params \
-            or not available() or "native" in dict(registry.family_of(model.config).unsupported):
+    if not isinstance(params, dict) or not available():
         return params
+    sharding = getattr(params.get("embed", params.get("layer", {}).get("wo")), "sharding", None)
+    if sharding is not None and len(sharding.device_set) != 1:  # sharded: XLA's SPMD dots
+        return params
+    is_head = "layer" in params and "layers" not in params
+    if is_head and target is None:
+        return params
+    key = (params, target.params if is_head else None)  # a head's packing reads its target
     cached = model.__dict__.get("_inference_params")
-    if cached is None or cached[0] is not params:
-        cached = (params, pack_params(params))
-        object.__setattr__(model, "_inference_params", cached)  # a cache, not model state
-    return cached[1]
+    if cached is not None and cached[0] is key[0] and cached[1] is key[1]:
+        return cached[2]
+    if is_head:
+        packed = _pack_head(params, model.config, target)
+    elif "layers" in params and "embed" in params:  # a Model
+        packed = params if _unsupported(model.config) else pack_params(params)
+    else:
+        return params
+    object.__setattr__(model, "_inference_params", (*key, packed))  # a cache, not model state
+    return packed
+
+
+def _unsupported(cfg) -> bool:
+    return "native" in dict(registry.family_of(cfg).unsupported)
+
+
+def _packable(a) -> bool:
+    return getattr(a, "ndim", 0) == 2 and getattr(a, "dtype", None) == jnp.float32
+
+
+def _pack_head(params: dict, cfg, target) -> dict:
+    from specjax import heads  # noqa: PLC0415  (heads -> registry -> model; native sits above)
+
+    if _unsupported(cfg.layer):
+        return params
+    out = dict(params, layer=_pack_layer(params["layer"]))
+    for name in ("eh_proj", "fc"):
+        if name in params and _packable(params[name]):
+            out[name] = pack_weight(params[name])
+    vocab = params.get("draft_vocab")
+    if cfg.kind == "eagle3":
+        w = params["lm_head"]
+    elif "lm_head" in params:  # own full-vocabulary head (a loaded DeepSeek MTP layer)
+        w = params["lm_head"] if vocab is None else jnp.take(params["lm_head"], vocab, axis=1)
+    elif vocab is None and "lm_head_packed" in inference_params(target):
+        out["lm_head_packed"] = inference_params(target)["lm_head_packed"]  # shared, not copied
+        return out
+    else:
+        w = heads.output_matrix(target.params, target.config, vocab)
+    if _packable(w):
+        out["lm_head_packed"] = pack_weight(w)
+    return out

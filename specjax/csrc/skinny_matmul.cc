@@ -2,8 +2,9 @@
 //
 // Why: XLA:CPU runs M = 1 as a streaming GEMV but M = 2..16 (a speculative verify) as a packed
 // GEMM whose cost is ~1.4-2x the GEMV on a 2-core machine, which is what made verification dear
-// on CPU (benchmarks/RESULTS.md, "Native skinny matmul"). This kernel reads each weight once for
-// up to 8 rows at a time, so a verify over 2-8 tokens costs about what one decode step costs.
+// on CPU (benchmarks/RESULTS.md, "Native skinny matmul"). This kernel streams each weight from
+// memory once for all M rows (register blocks of 6 rows, the panel pair re-read from L2 for the
+// next 6), so a verify over a few tokens costs about what one decode step costs.
 //
 // Layout: W arrives pre-packed as column panels wp[P, K, NB] (panel p holds columns
 // p*NB .. p*NB+NB-1 of the [K, N] weight, contiguous in k; the last panel zero-padded), so each
@@ -30,7 +31,10 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kNB = 32;  // panel width (columns)
-constexpr int kMaxRows = 8;  // rows per pass over the weights
+// Rows per register block: 6 rows x 2 panels x 2 vectors = 24 accumulators (+ 4 weight
+// vectors) fit AVX-512's 32 registers. More rows run as further groups over the same panel
+// pair while it is still in L2, so the weights stream from memory once whatever M is.
+constexpr int kRowGroup = 6;
 
 // One SIMD register of floats: AVX-512, AVX2 + FMA, or a plain float (portable, slow).
 #if defined(__AVX512F__)
@@ -97,28 +101,21 @@ inline void PanelKernel(const float* __restrict wp, const float* __restrict x, f
   }
 }
 
-template <int M>
-void Panels(const float* wp, const float* x, float* y, int64_t K, int64_t N, int64_t p0,
-            int64_t p1) {
-  int64_t p = p0;
-  if constexpr (M <= 4) {
-    for (; p + 2 <= p1; p += 2) PanelKernel<M, 2>(wp, x, y, K, N, p);
-  }
-  for (; p < p1; ++p) PanelKernel<M, 1>(wp, x, y, K, N, p);
-}
-
-void RowsPanels(int rows, const float* wp, const float* x, float* y, int64_t K, int64_t N,
-                int64_t p0, int64_t p1) {
+// Rows [m0, m0 + rows) over panels [p, p + np) (np = 1 or 2), rows <= kRowGroup.
+void Group(int rows, int np, const float* wp, const float* x, float* y, int64_t K, int64_t N,
+           int64_t p) {
+#define SPECJAX_GROUP(M) \
+  case M:                \
+    return np == 2 ? PanelKernel<M, 2>(wp, x, y, K, N, p) : PanelKernel<M, 1>(wp, x, y, K, N, p);
   switch (rows) {
-    case 1: return Panels<1>(wp, x, y, K, N, p0, p1);
-    case 2: return Panels<2>(wp, x, y, K, N, p0, p1);
-    case 3: return Panels<3>(wp, x, y, K, N, p0, p1);
-    case 4: return Panels<4>(wp, x, y, K, N, p0, p1);
-    case 5: return Panels<5>(wp, x, y, K, N, p0, p1);
-    case 6: return Panels<6>(wp, x, y, K, N, p0, p1);
-    case 7: return Panels<7>(wp, x, y, K, N, p0, p1);
-    default: return Panels<8>(wp, x, y, K, N, p0, p1);
+    SPECJAX_GROUP(1)
+    SPECJAX_GROUP(2)
+    SPECJAX_GROUP(3)
+    SPECJAX_GROUP(4)
+    SPECJAX_GROUP(5)
+    SPECJAX_GROUP(6)
   }
+#undef SPECJAX_GROUP
 }
 
 // Shared by the caller and its helpers; helpers hold it by shared_ptr, so a late helper can
@@ -135,10 +132,13 @@ struct Work {
     for (;;) {
       const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
       if (c >= num_chunks) return;
-      const int64_t p0 = c * chunk, p1 = std::min(P, p0 + chunk);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
-        RowsPanels(rows, wp, x + m0 * K, y + m0 * N, K, N, p0, p1);
+      const int64_t p1 = std::min(P, (c + 1) * chunk);
+      for (int64_t p = c * chunk; p < p1; p += 2) {
+        const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
+        for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {
+          const int rows = static_cast<int>(std::min<int64_t>(kRowGroup, M - m0));
+          Group(rows, np, wp, x + m0 * K, y + m0 * N, K, N, p);
+        }
       }
       done.fetch_add(1, std::memory_order_release);
     }

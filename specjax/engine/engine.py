@@ -255,7 +255,7 @@ class Engine:
         self._costs: dict = {}  # batch bucket -> [K+1] device array (adaptive k)
         # CPU: linear weights packed for the native few-row matmul (specjax.native)
         self._target_params = native.inference_params(target)
-        self._draft_params = None if draft is None else native.inference_params(draft)
+        self._draft_params = None if draft is None else native.inference_params(draft, target)
         self._draft_cfg = None if draft is None else draft.config
         self._state = steps.init_state(target.config, self._draft_cfg, self.sc, num_pages,
                                        target.dtype)
