@@ -3,7 +3,7 @@
 Why: on CPU, XLA runs ``x @ w`` with one row as a streaming GEMV but with 2..16 rows (a
 speculative verify over k + 1 tokens) as a packed GEMM that costs 1.4-2x the GEMV, so verifying
 k + 1 tokens cost ~1.4x a decode step before any draft ran (benchmarks/RESULTS.md, "Native
-skinny matmul"). ``specjax/csrc/skinny_matmul.cc`` streams each weight from memory once for all
+few-row matmul"). ``specjax/csrc/skinny_matmul.cc`` streams each weight from memory once for all
 rows (from a panel-packed copy), so a verify costs little more than a decode step, and batched
 decoding (up to ``MAX_ROWS`` rows) runs faster than XLA's GEMM too.
 

@@ -2,7 +2,7 @@
 //
 // Why: XLA:CPU runs M = 1 as a streaming GEMV but M = 2..16 (a speculative verify) as a packed
 // GEMM whose cost is ~1.4-2x the GEMV on a 2-core machine, which is what made verification dear
-// on CPU (benchmarks/RESULTS.md, "Native skinny matmul"). This kernel streams each weight from
+// on CPU (benchmarks/RESULTS.md, "Native few-row matmul"). This kernel streams each weight from
 // memory once for all M rows (register blocks of 6 rows, the panel pair re-read from L2 for the
 // next 6), so a verify over a few tokens costs about what one decode step costs.
 //
@@ -22,7 +22,9 @@
 #include <cstring>
 #include <memory>
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -101,7 +103,7 @@ inline void PanelKernel(const float* __restrict wp, const float* __restrict x, f
   }
 }
 
-// Rows [m0, m0 + rows) over panels [p, p + np) (np = 1 or 2), rows <= kRowGroup.
+// x's first `rows` rows (<= kRowGroup) over panels [p, p + np), np = 1 or 2.
 void Group(int rows, int np, const float* wp, const float* x, float* y, int64_t K, int64_t N,
            int64_t p) {
 #define SPECJAX_GROUP(M) \
@@ -163,11 +165,12 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   work->K = K;
   work->N = N;
   work->P = P;
-  // ~4 chunks per thread (even panel counts keep the two-panel kernel busy); small weights
-  // run on the caller alone.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // ~4 chunks per worker (even panel counts keep the two-panel kernel busy). The caller may
+  // sit outside the pool, so up to num_threads helpers join it; small weights (< 256 KiB) and
+  // a one-thread pool run on the caller alone.
+  const int64_t threads = pool.num_threads();
   const int64_t bytes = P * K * kNB * static_cast<int64_t>(sizeof(float));
-  const int64_t helpers = bytes < (256 << 10) ? 0 : threads - 1 + (threads == 1 ? 0 : 1);
+  const int64_t helpers = (bytes < (256 << 10) || threads <= 1) ? 0 : threads;
   int64_t chunk = std::max<int64_t>(2, P / std::max<int64_t>(1, 4 * (helpers + 1)));
   chunk += chunk % 2;
   work->chunk = chunk;
