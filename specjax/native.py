@@ -10,7 +10,10 @@ decoding (up to ``MAX_ROWS`` rows) runs faster than XLA's GEMM too.
 Pieces:
 
 * ``skinny_matmul(x [M, K], panels [P, K, NB], n) -> [M, n]`` (the custom call) and its plain
-  twin ``skinny_matmul_reference`` (unpack, ``x @ w``).
+  twin ``skinny_matmul_reference`` (unpack, ``x @ w``). Panels are float32, or bfloat16 /
+  float16 when every value of the weight is exactly representable in that type (a bf16 or fp16
+  checkpoint loaded as float32, e.g. most HF models and EAGLE-3 heads): half the bytes to
+  stream, converted to float32 in registers, so the product is the one float32 panels give.
 * ``PackedWeight``: a pytree holding a weight [K, N] and its panels; ``x @ packed`` (its
   ``__rmatmul__``) runs the kernel when x has at most ``MAX_ROWS`` rows and XLA's dot on the
   canonical weight otherwise (prefill, big batches). Model code keeps writing ``x @ w``.
@@ -51,6 +54,12 @@ log = logging.getLogger("specjax.native")
 NB = 32  # panel width (columns); must match kNB in skinny_matmul.cc
 MAX_ROWS = 128  # x @ packed runs the kernel up to this many rows, XLA's dot above (prefill)
 TARGET = "specjax_skinny_matmul"
+# panel dtype -> (custom-call target, symbol in the built library)
+TARGETS = {
+    jnp.dtype(jnp.float32): (TARGET, "SpecjaxSkinnyMatmul"),
+    jnp.dtype(jnp.bfloat16): (TARGET + "_bf16", "SpecjaxSkinnyMatmulBF16"),
+    jnp.dtype(jnp.float16): (TARGET + "_f16", "SpecjaxSkinnyMatmulF16"),
+}
 LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 FUSED = (("wq", "wk", "wv"), ("w_gate", "w_up"))  # packed as one weight "wq+wk+wv", "w_gate+w_up"
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "skinny_matmul.cc")
@@ -108,8 +117,9 @@ def available() -> bool:
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(_build(cxx))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpecjaxSkinnyMatmul),
-                                    platform="cpu")
+        for name, symbol in TARGETS.values():
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                        platform="cpu")
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("native skinny matmul unavailable (%s); using XLA's dot", e)
         return False
@@ -118,16 +128,30 @@ def available() -> bool:
 
 # ----------------------------------------------------------------------------- the op + its twin
 
-def pack(w):
-    """[K, N] weight -> [P, K, NB] column panels (P = ceil(N / NB), last one zero-padded)."""
+def pack(w, dtype=jnp.float32):
+    """[K, N] weight -> [P, K, NB] column panels of ``dtype`` (P = ceil(N / NB), last one
+    zero-padded). ``dtype`` float16 / bfloat16 rounds unless the weight is exact in it
+    (``panel_dtype`` picks the narrowest exact one)."""
     k, n = w.shape
     p = -(-n // NB)
     w = jnp.pad(jnp.asarray(w, jnp.float32), ((0, 0), (0, p * NB - n)))
-    return w.reshape(k, p, NB).transpose(1, 0, 2)
+    return w.reshape(k, p, NB).transpose(1, 0, 2).astype(dtype)
+
+
+def panel_dtype(w):
+    """The narrowest panel dtype that holds every value of ``w`` exactly: bfloat16, float16, or
+    float32 (bf16 first: its conversion is a shift on every CPU; fp16 needs F16C)."""
+    w = jnp.asarray(w, jnp.float32)
+    for dt in (jnp.bfloat16, jnp.float16):
+        if bool(jnp.all(w.astype(dt).astype(jnp.float32) == w)):
+            return jnp.dtype(dt)
+    return jnp.dtype(jnp.float32)
 
 
 def skinny_matmul(x, panels, n: int):
     """x [M, K] float32 @ the weight packed in ``panels`` [P, K, NB] -> [M, n] float32.
+
+    ``panels`` float32, bfloat16 or float16 (converted to float32 in registers, exactly).
 
     The native kernel (``available()`` must be True). M may be any size; the weights stream
     from memory once, and the compute grows with M (XLA's GEMM wins for prefill-sized M).
@@ -137,9 +161,11 @@ def skinny_matmul(x, panels, n: int):
                          f"{x.shape} and {panels.shape}")
     if not (panels.shape[0] - 1) * NB < n <= panels.shape[0] * NB:
         raise ValueError(f"skinny_matmul: n={n} does not fit {panels.shape[0]} panels of {NB}")
-    if x.dtype != jnp.float32 or panels.dtype != jnp.float32:
-        raise TypeError(f"skinny_matmul takes float32, got {x.dtype} and {panels.dtype}")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+    if x.dtype != jnp.float32 or panels.dtype not in TARGETS:
+        raise TypeError(f"skinny_matmul takes float32 x and float32/bfloat16/float16 panels, got "
+                        f"{x.dtype} and {panels.dtype}")
+    call = jax.ffi.ffi_call(TARGETS[panels.dtype][0],
+                            jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
                             vmap_method="sequential")
     return call(x, panels)
 
@@ -147,7 +173,7 @@ def skinny_matmul(x, panels, n: int):
 def skinny_matmul_reference(x, panels, n: int):
     """The plain-jnp twin of ``skinny_matmul``: unpack the panels, then ``x @ w``."""
     p, k, nb = panels.shape
-    w = panels.transpose(1, 0, 2).reshape(k, p * nb)[:, :n]
+    w = panels.transpose(1, 0, 2).reshape(k, p * nb)[:, :n].astype(jnp.float32)
     return jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
 
 
@@ -158,7 +184,8 @@ class PackedWeight:
 
     Fields:
       w: [K, N] the canonical weight (XLA's dot, for more than MAX_ROWS rows).
-      panels: [P, K, NB] its column panels (the native kernel, for up to MAX_ROWS rows).
+      panels: [P, K, NB] its column panels (the native kernel, for up to MAX_ROWS rows):
+        float32, or bfloat16 / float16 holding exactly the same values.
       parts: static output widths of the weights fused into this one (``model._fused`` splits
         the product back), or (N,).
     """
@@ -189,9 +216,11 @@ class PackedWeight:
 
 
 def pack_weight(*ws) -> PackedWeight:
-    """One or more [K, N_i] weights that multiply the same input -> one PackedWeight [K, sum N_i]."""
+    """One or more [K, N_i] weights that multiply the same input -> one PackedWeight [K, sum N_i]
+    (panels in the narrowest dtype that holds the weight exactly, ``panel_dtype``)."""
     w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=1)
-    return PackedWeight(w=w, panels=pack(w), parts=tuple(int(a.shape[1]) for a in ws))
+    return PackedWeight(w=w, panels=pack(w, panel_dtype(w)),
+                        parts=tuple(int(a.shape[1]) for a in ws))
 
 
 # ----------------------------------------------------------------------------- params

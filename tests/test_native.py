@@ -31,6 +31,35 @@ def test_kernel_matches_reference(m, k, n):
     np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(w), **TOL)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("m", [1, 6, 7, 17])
+@pytest.mark.parametrize("k,n", [(64, 31), (577, 33), (130, 1000)])
+def test_half_panels_match_float32_panels(dtype, m, k, n):
+    """A weight exact in bf16 / fp16 packs into panels of that type (half the bytes) whose
+    products are bit-identical to float32 panels of the same values."""
+    x = _rand((m, k), 10)
+    w = _rand((k, n), 11).astype(dtype).astype(jnp.float32)
+    pw = native.pack_weight(w)
+    assert pw.panels.dtype == (jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float16) or (
+        dtype == jnp.float16 and pw.panels.dtype == jnp.bfloat16)  # fp16 values that bf16 holds
+    got = jax.jit(lambda a, b: a @ b)(x, pw)
+    want = native.skinny_matmul(x, native.pack(w), n)  # float32 panels
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_allclose(got, native.skinny_matmul_reference(x, pw.panels, n), **TOL)
+
+
+def test_panel_dtype_is_exact():
+    w = _rand((16, 40), 12)
+    assert native.panel_dtype(w) == jnp.float32                              # full float32 values
+    assert native.panel_dtype(w.astype(jnp.bfloat16).astype(jnp.float32)) == jnp.bfloat16
+    h = w.astype(jnp.float16).astype(jnp.float32)
+    assert native.panel_dtype(h) == jnp.float16                              # 11-bit mantissas
+    assert native.panel_dtype(h.at[0, 0].set(1e-30)) == jnp.float32          # below fp16, not bf16-exact
+    assert native.panel_dtype(jnp.zeros((3, 3)).at[0, 0].set(2.0 ** 17)) == jnp.bfloat16  # > fp16 max
+    big = h.at[0, 0].set(1e5 + 1.0)                                           # not exact in either
+    assert native.panel_dtype(big) == jnp.float32
+
+
 def test_rows_do_not_depend_on_each_other():
     """A row's product is bit-identical alone or among up to 20 rows (decode vs verify)."""
     x, w = _rand((20, 576), 2), _rand((576, 200), 3)
@@ -62,6 +91,8 @@ def test_bad_input():
         native.skinny_matmul(x, panels, 70)
     with pytest.raises(TypeError, match="float32"):
         native.skinny_matmul(x.astype(jnp.bfloat16), panels, 40)
+    with pytest.raises(TypeError, match="float32"):
+        native.skinny_matmul(x, panels.astype(jnp.int8), 40)
 
 
 @pytest.mark.parametrize("tie,bias,qk_norm", [(True, False, False), (False, True, True)])
@@ -99,11 +130,13 @@ def test_inference_params_is_cached_per_model():
     assert native.inference_params(None) is None
 
 
-@pytest.mark.parametrize("kind,vocab", [("mtp", 0), ("mtp", 20), ("eagle3", 24)])
-def test_packed_head_matches(kind, vocab):
+@pytest.mark.parametrize("kind,vocab,half", [("mtp", 0, False), ("mtp", 20, False),
+                                             ("eagle3", 24, False), ("eagle3", 24, True)])
+def test_packed_head_matches(kind, vocab, half):
     """A head packed by inference_params (block, eh_proj / fc, the precomputed output
     projection over its draft vocabulary) gives the canonical features, hidden states and
-    logits, and greedy speculation with it equals plain decoding."""
+    logits, and greedy speculation with it equals plain decoding. ``half``: a head whose
+    weights are float16 values (as EAGLE-3 checkpoints are stored) packs into fp16 panels."""
     import specjax as sj  # noqa: PLC0415
     from specjax import heads, kv_cache  # noqa: PLC0415
     from specjax.heads import Head, HeadConfig  # noqa: PLC0415
@@ -114,8 +147,17 @@ def test_packed_head_matches(kind, vocab):
                              config=cfg)
     hcfg = HeadConfig.for_target(cfg, kind, aux_layers=(0, 1, 2) if kind == "eagle3" else None)
     hcfg = dataclasses.replace(hcfg, draft_vocab_size=vocab)
-    head = Head(params=heads.init_head(hcfg, jax.random.PRNGKey(3), scale=0.3), config=hcfg)
+    hparams = heads.init_head(hcfg, jax.random.PRNGKey(3), scale=0.3)
+    if half:
+        hparams = jax.tree.map(lambda a: a.astype(jnp.float16).astype(jnp.float32)
+                               if a.dtype == jnp.float32 else a, hparams)
+    head = Head(params=hparams, config=hcfg)
     packed = native.inference_params(head, target)
+    want_dtype = jnp.dtype(jnp.float16 if half else jnp.float32)
+    assert {packed["layer"]["wo"].panels.dtype, packed["fc" if kind == "eagle3" else "eh_proj"]
+            .panels.dtype, packed["lm_head_packed"].panels.dtype} <= {want_dtype,
+                                                                     jnp.dtype(jnp.bfloat16)}
+    assert packed["layer"]["w_down"].panels.dtype == want_dtype
     assert "lm_head_packed" in packed and "wq+wk+wv" in packed["layer"]
     assert native.inference_params(head, target) is packed
     b, t = 2, 3

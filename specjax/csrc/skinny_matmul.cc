@@ -8,7 +8,10 @@
 //
 // Layout: W arrives pre-packed as column panels wp[P, K, NB] (panel p holds columns
 // p*NB .. p*NB+NB-1 of the [K, N] weight, contiguous in k; the last panel zero-padded), so each
-// panel is one contiguous stream. Every output row is accumulated in the same k order whatever
+// panel is one contiguous stream. The panels are float32, or float16 / bfloat16 for weights that
+// are exactly representable in half precision (a bf16 checkpoint loaded as float32, a head
+// stored in float16): half the bytes to stream, converted to float32 in registers (exact), so
+// the products are the same as from float32 panels of the same values. Every output row is accumulated in the same k order whatever
 // M is, so a row's result does not depend on the other rows in the call (decode and verify give
 // bit-identical projections for the same input row).
 //
@@ -46,6 +49,13 @@ inline Vec VLoad(const float* p) { return _mm512_loadu_ps(p); }
 inline void VStore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec VZero() { return _mm512_setzero_ps(); }
 inline Vec VFma(float a, Vec b, Vec c) { return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c); }
+inline Vec VLoadF16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline Vec VLoadBF16(const uint16_t* p) {  // bf16 -> f32 is a 16-bit shift
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256 Vec;
 constexpr int kVec = 8;
@@ -53,6 +63,17 @@ inline Vec VLoad(const float* p) { return _mm256_loadu_ps(p); }
 inline void VStore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec VZero() { return _mm256_setzero_ps(); }
 inline Vec VFma(float a, Vec b, Vec c) { return _mm256_fmadd_ps(_mm256_set1_ps(a), b, c); }
+inline Vec VLoadBF16(const uint16_t* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+#if defined(__F16C__)
+inline Vec VLoadF16(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#else
+#define SPECJAX_SCALAR_F16 1
+#endif
 #else
 typedef float Vec;
 constexpr int kVec = 1;
@@ -60,25 +81,70 @@ inline Vec VLoad(const float* p) { return *p; }
 inline void VStore(float* p, Vec v) { *p = v; }
 inline Vec VZero() { return 0.0f; }
 inline Vec VFma(float a, Vec b, Vec c) { return __builtin_fmaf(a, b, c); }
+inline Vec VLoadBF16(const uint16_t* p) {
+  const uint32_t u = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+#define SPECJAX_SCALAR_F16 1
 #endif
+
+#if defined(SPECJAX_SCALAR_F16)
+// IEEE half -> float without F16C (exact: every half is a float).
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+  if (exp == 0x1fu) {
+    u = sign | 0x7f800000u | (man << 13);  // inf / nan
+  } else if (exp != 0) {
+    u = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;  // +-0
+  } else {  // subnormal: normalise
+    int e = -1;
+    do { man <<= 1; ++e; } while (!(man & 0x400u));
+    u = sign | ((112u - e) << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline Vec VLoadF16(const uint16_t* p) {
+  alignas(64) float buf[kVec];
+  for (int i = 0; i < kVec; ++i) buf[i] = HalfToFloat(p[i]);
+  return VLoad(buf);
+}
+#endif
+
+// Panel element types: float32, IEEE float16, bfloat16 (tags for the two 16-bit ones).
+struct F16Tag {};
+struct BF16Tag {};
+template <typename T> struct Elem { typedef float type; };
+template <> struct Elem<F16Tag> { typedef uint16_t type; };
+template <> struct Elem<BF16Tag> { typedef uint16_t type; };
+inline Vec VLoadW(const float* p, float*) { return VLoad(p); }
+inline Vec VLoadW(const uint16_t* p, F16Tag*) { return VLoadF16(p); }
+inline Vec VLoadW(const uint16_t* p, BF16Tag*) { return VLoadBF16(p); }
 constexpr int kV = kNB / kVec;  // registers per panel row
 
 // y[m, p*NB + j] for m < M over NP adjacent panels (NP = 2 gives more independent
 // accumulators when few rows share each weight load). Accumulators stay in registers: every
 // loop below has constant bounds and is unrolled.
-template <int M, int NP>
-inline void PanelKernel(const float* __restrict wp, const float* __restrict x, float* __restrict y,
-                        int64_t K, int64_t N, int64_t p) {
+// T: the panel element type (float, F16Tag, BF16Tag).
+template <int M, int NP, typename T>
+inline void PanelKernel(const typename Elem<T>::type* __restrict wp, const float* __restrict x,
+                        float* __restrict y, int64_t K, int64_t N, int64_t p) {
   Vec acc[M][NP][kV];
 #pragma GCC unroll 64
   for (int i = 0; i < M * NP * kV; ++i) (&acc[0][0][0])[i] = VZero();
-  const float* w = wp + p * K * kNB;
+  const typename Elem<T>::type* w = wp + p * K * kNB;
   for (int64_t k = 0; k < K; ++k) {
     Vec wv[NP][kV];
 #pragma GCC unroll 8
     for (int q = 0; q < NP; ++q)
 #pragma GCC unroll 32
-      for (int v = 0; v < kV; ++v) wv[q][v] = VLoad(w + q * K * kNB + k * kNB + v * kVec);
+      for (int v = 0; v < kV; ++v) wv[q][v] = VLoadW(w + q * K * kNB + k * kNB + v * kVec, static_cast<T*>(nullptr));
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const float xs = x[m * K + k];
@@ -104,11 +170,13 @@ inline void PanelKernel(const float* __restrict wp, const float* __restrict x, f
 }
 
 // x's first `rows` rows (<= kRowGroup) over panels [p, p + np), np = 1 or 2.
-void Group(int rows, int np, const float* wp, const float* x, float* y, int64_t K, int64_t N,
-           int64_t p) {
-#define SPECJAX_GROUP(M) \
-  case M:                \
-    return np == 2 ? PanelKernel<M, 2>(wp, x, y, K, N, p) : PanelKernel<M, 1>(wp, x, y, K, N, p);
+template <typename T>
+void Group(int rows, int np, const typename Elem<T>::type* wp, const float* x, float* y, int64_t K,
+           int64_t N, int64_t p) {
+#define SPECJAX_GROUP(M)                                        \
+  case M:                                                       \
+    return np == 2 ? PanelKernel<M, 2, T>(wp, x, y, K, N, p)    \
+                   : PanelKernel<M, 1, T>(wp, x, y, K, N, p);
   switch (rows) {
     SPECJAX_GROUP(1)
     SPECJAX_GROUP(2)
@@ -122,8 +190,9 @@ void Group(int rows, int np, const float* wp, const float* x, float* y, int64_t 
 
 // Shared by the caller and its helpers; helpers hold it by shared_ptr, so a late helper can
 // still read the counter after the caller has returned.
+template <typename T>
 struct Work {
-  const float* wp;
+  const typename Elem<T>::type* wp;
   const float* x;
   float* y;
   int64_t M, K, N, P, chunk, num_chunks;
@@ -139,7 +208,7 @@ struct Work {
         const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
         for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {
           const int rows = static_cast<int>(std::min<int64_t>(kRowGroup, M - m0));
-          Group(rows, np, wp, x + m0 * K, y + m0 * N, K, N, p);
+          Group<T>(rows, np, wp, x + m0 * K, y + m0 * N, K, N, p);
         }
       }
       done.fetch_add(1, std::memory_order_release);
@@ -147,8 +216,10 @@ struct Work {
   }
 };
 
-ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::F32> wp, ffi::ResultBuffer<ffi::F32> y) {
+// y = x @ (the weight in wp); T names wp's element type, D its XLA dtype.
+template <typename T, ffi::DataType D>
+ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<D> wp,
+                            ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = wp.dimensions();
   const auto yd = y->dimensions();
@@ -157,8 +228,8 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t M = xd[0], K = xd[1], P = wd[0], N = yd[1];
   if (wd[1] != K || wd[2] != kNB || yd[0] != M || N > P * kNB || N <= (P - 1) * kNB)
     return ffi::Error::InvalidArgument("skinny_matmul: shapes do not agree");
-  auto work = std::make_shared<Work>();
-  work->wp = wp.typed_data();
+  auto work = std::make_shared<Work<T>>();
+  work->wp = reinterpret_cast<const typename Elem<T>::type*>(wp.typed_data());
   work->x = x.typed_data();
   work->y = y->typed_data();
   work->M = M;
@@ -169,7 +240,7 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   // sit outside the pool, so up to num_threads helpers join it; small weights (< 256 KiB) and
   // a one-thread pool run on the caller alone.
   const int64_t threads = pool.num_threads();
-  const int64_t bytes = P * K * kNB * static_cast<int64_t>(sizeof(float));
+  const int64_t bytes = P * K * kNB * static_cast<int64_t>(sizeof(typename Elem<T>::type));
   const int64_t helpers = (bytes < (256 << 10) || threads <= 1) ? 0 : threads;
   int64_t chunk = std::max<int64_t>(2, P / std::max<int64_t>(1, 4 * (helpers + 1)));
   chunk += chunk % 2;
@@ -188,9 +259,13 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSkinnyMatmul, SkinnyMatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define SPECJAX_HANDLER(NAME, T, D)                                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, (SkinnyMatmulImpl<T, D>), ffi::Ffi::Bind()        \
+                                                                    .Ctx<ffi::ThreadPool>() \
+                                                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                                                    .Arg<ffi::Buffer<D>>()  \
+                                                                    .Ret<ffi::Buffer<ffi::F32>>());
+SPECJAX_HANDLER(SpecjaxSkinnyMatmul, float, ffi::F32)
+SPECJAX_HANDLER(SpecjaxSkinnyMatmulF16, F16Tag, ffi::F16)
+SPECJAX_HANDLER(SpecjaxSkinnyMatmulBF16, BF16Tag, ffi::BF16)
+#undef SPECJAX_HANDLER
