@@ -64,29 +64,47 @@ def _spec_of_label(label: str) -> dict:
                 hybrid_min=int(parts[2]) if len(parts) > 2 and parts[1] == "hybrid" else 0)
 
 
-def write_fastest(result: dict, command: str, backend: str | None = None) -> dict | None:
-    """The row of ``result`` (this script's JSON) with the best median speedup among trustworthy
-    ones (a shipped draft, output identical to plain, foreign CPU <= 10%) -> checkpoints/
-    fastest.json for ``backend``. Returns the entry written, or None when no row qualifies."""
-    ok = [r for r in result["rows"] if r["identical_to_plain"]
-          and r["max_foreign_cpu"] is not None and r["max_foreign_cpu"] <= 0.10
-          and os.path.basename(os.path.normpath(r["draft"])) in dict(shipped.SHIPPED)]
-    if not ok:
-        print("fastest: no row qualifies (shipped draft, identical output, foreign CPU <= 10%): "
-              "nothing written")
+def _trusted(row) -> bool:
+    """A row fit for fastest.json: a shipped draft, output identical to plain, foreign CPU <= 10%."""
+    return (row["identical_to_plain"] and row["max_foreign_cpu"] is not None
+            and row["max_foreign_cpu"] <= 0.10
+            and os.path.basename(os.path.normpath(row["draft"])) in dict(shipped.SHIPPED))
+
+
+def write_fastest(results, command: str, backend: str | None = None) -> dict | None:
+    """The configuration with the best median speedup among trustworthy rows (``_trusted``) ->
+    checkpoints/fastest.json for ``backend``. ``results``: one of this script's JSONs, or several
+    (e.g. the chat and the demo prompt sets): then only configurations timed in every one count,
+    each scored by its worst median over them (a default that holds on every prompt set).
+    Returns the entry written, or None when no configuration qualifies."""
+    results = [results] if isinstance(results, dict) else list(results)
+
+    def key(r):
+        return os.path.basename(os.path.normpath(r["draft"])), r["method"], r["k"]
+
+    per_set = [{key(r): r for r in res["rows"] if _trusted(r)} for res in results]
+    common = set(per_set[0]).intersection(*per_set[1:])
+    if not common:
+        print("fastest: no configuration qualifies (shipped draft, identical output, foreign CPU "
+              "<= 10%, timed in every JSON): nothing written")
         return None
-    row = max(ok, key=lambda r: r["speedup"]["median"])
-    entry = dict(draft=os.path.basename(os.path.normpath(row["draft"])), method=row["method"],
+    best = max(sorted(common), key=lambda c: min(rows[c]["speedup"]["median"] for rows in per_set))
+    worst = min(range(len(results)), key=lambda i: per_set[i][best]["speedup"]["median"])
+    row, result = per_set[worst][best], results[worst]
+    entry = dict(draft=best[0], method=row["method"],
                  **_spec_of_label(row["k"]), speedup=row["speedup"],
                  mean_accepted_length=row["mean_accepted_length"],
                  beats_plain=row["speedup"]["median"] > 1.0,
                  prompt_set=result.get("prompt_set", "chat"), prompts=result["prompts"],
                  max_new_tokens=result["max_new_tokens"], max_foreign_cpu=row["max_foreign_cpu"],
                  command=command, date=result["date"], machine=result["machine"],
-                 candidates=len(result["rows"]))
+                 candidates=len(common))
+    if len(results) > 1:  # speedup above = the worst set's; every set's median here
+        entry["speedup_by_prompt_set"] = {res.get("prompt_set", "chat"): rows[best]["speedup"]["median"]
+                                          for res, rows in zip(results, per_set)}
     path = shipped.write_fastest(entry, backend or jax.default_backend())
     print(f"fastest: {entry['draft']} {row['k']} ({entry['method']}) "
-          f"{row['speedup']['median']:.2f}x -> {path}")
+          f"{row['speedup']['median']:.2f}x (worst prompt set: {entry['prompt_set']}) -> {path}")
     return entry
 
 
@@ -110,16 +128,19 @@ def main(argv=None):
                     help="store the fastest configuration (identical output, foreign CPU <= 10%%) "
                          "in checkpoints/fastest.json for this backend: the CLI's and demo's "
                          "default (specjax.shipped.fastest)")
-    ap.add_argument("--fastest-from", metavar="JSON", default=None,
-                    help="no timing: write checkpoints/fastest.json from an earlier --out JSON "
-                         "(its command is the one given with --fastest-command)")
+    ap.add_argument("--fastest-from", metavar="JSON[,JSON...]", default=None,
+                    help="no timing: write checkpoints/fastest.json from earlier --out JSONs "
+                         "(several: the configuration whose worst speedup over them is best; "
+                         "the command is the one given with --fastest-command)")
     ap.add_argument("--fastest-command", default=None, help="with --fastest-from: the command "
                     "that produced the JSON")
     args = ap.parse_args(argv)
     if args.fastest_from:
-        with open(args.fastest_from) as f:
-            result = json.load(f)
-        return 0 if write_fastest(result, args.fastest_command or f"(from {args.fastest_from})") else 1
+        results = []
+        for name in args.fastest_from.split(","):
+            with open(name) as f:
+                results.append(json.load(f))
+        return 0 if write_fastest(results, args.fastest_command or f"(from {args.fastest_from})") else 1
     if not 0 <= args.hybrid_min <= 3:  # the CLI's default ngram_max, which fastest.json assumes
         raise SystemExit(f"--hybrid-min must be in [0, 3], got {args.hybrid_min}")
     ks = [int(k) for k in args.ks.split(",")]

@@ -211,6 +211,17 @@ def test_measured_fastest_config_sets_the_defaults(tiny_dirs, tmp_path, monkeypa
     assert (entry["draft"], entry["num_draft_tokens"], entry["hybrid_min"]) == ("smollm2-draft", 3, 0)
     assert shipped.fastest()["speedup"]["median"] == 1.2 and entry["beats_plain"]
     assert bd._spec_of_label("tree 4/2/8") == dict(num_draft_tokens=4, tree=[4, 2, 8], hybrid_min=0)
+    # several prompt sets: the best worst case wins (k=2: 1.1 / 1.05 beats k=3: 1.2 / 0.9), and a
+    # configuration missing from one set (k=5) does not count
+    demo = dict(result, prompt_set="demo", rows=[row("checkpoints/smollm2-draft", "3", 0.9),
+                                                 row("checkpoints/smollm2-draft", "2", 1.05),
+                                                 row("checkpoints/smollm2-draft", "5", 3.0)])
+    both = bd.write_fastest([result, demo], "cmd", backend=jax.default_backend())
+    assert both["num_draft_tokens"] == 2 and both["prompt_set"] == "demo"
+    assert both["speedup"]["median"] == 1.05
+    assert both["speedup_by_prompt_set"] == {"chat": 1.1, "demo": 1.05}
+    assert bd.write_fastest([result, dict(demo, rows=[])], "cmd") is None
+    entry = bd.write_fastest(result, "cmd", backend=jax.default_backend())  # back to chat only
     capsys.readouterr()
 
     base = ["generate", "--model", target, "--tokenizer", "smollm2-135m", "--prompt", "Hello",
