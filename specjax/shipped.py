@@ -20,8 +20,9 @@ SHIPPED_FOR = "smollm2-135m"  # the target (``Model.source``) the shipped drafts
 KINDS = ("mtp", "eagle", "eagle3", "draft")
 # (folder name, draft kind), best first: within a kind the first present one is used. Without a
 # fastest.json entry the default draft is the first present one overall: smollm2-mtp-v8k is the
-# one measured fastest on the CPU (benchmarks/RESULTS.md, "Batch-1 speed of the shipped heads");
-# smollm2-eagle3-broad accepts more on held-out broad prompts, not on the wiki chat prompts.
+# fastest on the wiki chat prompts; smollm2-eagle3-broad accepts more on held-out broad prompts and
+# holds up best over chat + demo prompts, so fastest.json names it on CPU (benchmarks/RESULTS.md,
+# "EAGLE-3 head on 2x the broad data").
 SHIPPED = (("smollm2-mtp-v8k", "mtp"), ("smollm2-eagle3-broad", "eagle3"), ("smollm2-mtp", "mtp"),
            ("smollm2-eagle", "eagle"), ("smollm2-draft", "draft"))
 
