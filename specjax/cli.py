@@ -475,11 +475,28 @@ def _prepare_training(args):
     return target, tok, tc, pipeline
 
 
+def _aux_layers_arg(text, kind: str):
+    """--aux-layers "2,15,27" -> (2, 15, 27); None when not given. ValueError names the flag."""
+    if text is None:
+        return None
+    if kind != "eagle3":
+        raise ValueError(f"--aux-layers is for --kind eagle3, got --kind {kind}")
+    try:
+        layers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--aux-layers must be comma-separated layer indices, got {text!r}") from None
+    if not layers or any(i < 0 for i in layers) or len(set(layers)) != len(layers):
+        raise ValueError(f"--aux-layers must be distinct layer indices >= 0, got {text!r}")
+    return layers
+
+
 def cmd_train_head(args) -> int:
+    aux = _aux_layers_arg(args.aux_layers, args.kind)  # bad flags fail before any work
     target, tok, tc, pipeline = _prepare_training(args)
     pipeline.train_head(target, tok, args.work, args.out, args.kind, args.norms == "on", tc,
                         eval_prompts=args.eval_prompts, draft_vocab=args.draft_vocab,
-                        run_name=args.run_name, data=args.data)
+                        run_name=args.run_name, data=args.data,
+                        aux_layers=aux)
     return 0
 
 
@@ -681,6 +698,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "scored per domain")
     th.add_argument("--shards", type=int, default=None,
                     help="with --corpus: train on the first N shards only (default: all)")
+    th.add_argument("--aux-layers", default=None, metavar="I,J,...",
+                    help="eagle3: the target layers whose entering hidden states the head fuses "
+                         "(default 2, L//2, L-3); any of those and L (the final hidden state), "
+                         "e.g. '30' for a last-layer-only head on a 30-layer target")
     td = sub.add_parser("train-draft", help="distill a small draft LLM sharing the target's "
                                                "embedding and lm_head (resumable)")
     _train_common(td)

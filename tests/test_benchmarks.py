@@ -53,6 +53,7 @@ def test_gpu_check_cpu_smoke(gpu_check, tmp_path):
     assert "| batch |" in (tmp_path / "gpu_check.md").read_text()
 
 
+@pytest.mark.slow  # default-run time (README: ~15 min on 2 cores); run with -m slow
 def test_gpu_corpus_cpu_smoke_and_unpack(tmp_path, monkeypatch):
     """benchmarks/gpu_corpus.py end to end on a tiny model: held-out and train shards, features,
     an EAGLE-3 head in the reference layout split into parts, and --unpack putting them back."""

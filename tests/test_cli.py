@@ -49,6 +49,13 @@ def test_bad_arguments_exit_2(tiny_dirs, capsys):
     assert "temperature must be" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["generate", "--method", "magic"])
+    # train-head --aux-layers is checked before any model or data is loaded
+    for bad, msg in [(["--aux-layers", "2,x"], "comma-separated"), (["--aux-layers", "3,3"], "distinct"),
+                     (["--aux-layers", "-1"], "distinct"), (["--kind", "mtp", "--aux-layers", "2"],
+                                                             "for --kind eagle3")]:
+        argv = ["train-head", "--model", target, "--out", "unused", "--kind", "eagle3", *bad]
+        assert cli.main(argv) == 2
+        assert msg in capsys.readouterr().err
 
 
 def test_help_for_every_command(capsys):

@@ -415,6 +415,7 @@ def test_metrics_have_the_usual_names(target, drafts):
 # ----------------------------------------------------------------------------------- overlap
 
 
+@pytest.mark.slow  # default-run time (README: ~15 min on 2 cores); run with -m slow
 @pytest.mark.parametrize("schedule", ["sync", "async"])
 def test_host_work_overlaps_device_steps(schedule, monkeypatch):
     """Host work runs while the device step runs.

@@ -99,7 +99,7 @@ def test_hybrid_draft_lossless(tiny_pair, plain):
     assert out.tokens == plain
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("method", ["draft", pytest.param("ngram", marks=pytest.mark.slow)])
 def test_adaptive_greedy_lossless(tiny_pair, plain, fixed_costs, method):
     target, draft = tiny_pair
     eos = _eos_for_staggered_stops(plain)
@@ -121,7 +121,7 @@ def test_adaptive_mtp_greedy_lossless(tiny_pair, plain, fixed_costs):
     assert sum(c > 0 for c in out.stats["k_histogram"]) >= 2
 
 
-@pytest.mark.parametrize("where", ["loop", "engine"])
+@pytest.mark.parametrize("where", ["loop", pytest.param("engine", marks=pytest.mark.slow)])
 def test_adaptive_self_draft_accepts_everything_after_plain_streaks(tiny_pair, fixed_costs,
                                                                     monkeypatch, where):
     """The target as its own draft LLM accepts every draft it proposes, even right after plain

@@ -62,6 +62,7 @@ def test_greedy_answer_matches_hf(smol, tok, hf_smol):
     assert "Paris" in tok.decode(out.tokens[0])
 
 
+@pytest.mark.slow  # default-run time (README: ~15 min on 2 cores); run with -m slow
 def test_perplexity_on_held_out_wikipedia(smol, tok):
     nll, count = 0.0, 0
     for e in wiki_entries("held_out")[:24]:
@@ -75,7 +76,8 @@ def test_perplexity_on_held_out_wikipedia(smol, tok):
     assert ppl == pytest.approx(PERPLEXITY, abs=0.01), ppl
 
 
-@pytest.mark.parametrize("name", [pytest.param("smollm2-mtp", marks=pytest.mark.slow), "smollm2-mtp-v8k",
+@pytest.mark.parametrize("name", [pytest.param("smollm2-mtp", marks=pytest.mark.slow),
+                                  pytest.param("smollm2-mtp-v8k", marks=pytest.mark.slow),
                                   pytest.param("smollm2-draft", marks=pytest.mark.slow)])
 def test_shipped_draft_accepts_what_was_recorded(smol, tok, name):
     """Each committed draft loads, drafts losslessly, and its k=1 mean accepted length on the

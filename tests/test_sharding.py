@@ -141,6 +141,7 @@ def test_sharded_generation_matches_one_device(launcher):
         _check_record(r)
 
 
+@pytest.mark.slow  # default-run time (README: ~15 min on 2 cores); run with -m slow
 def test_two_processes_generate_like_one(launcher):
     """2 CPU processes x 4 devices (jax.distributed, gloo) on a dp=2 x tp=4 mesh.
 

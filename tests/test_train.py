@@ -410,3 +410,50 @@ def test_distill_pre_encoded_prompts_round_trip_resume_and_budget(setup, tmp_pat
     stamp = os.path.getmtime(paths[0])
     assert distill.generate_corpus(target, Tok(), out, prompts=rows, budget_s=0.0, **kw) == paths
     assert os.path.getmtime(paths[0]) == stamp
+
+
+def test_eagle3_head_reads_its_layers_from_wider_stored_features(setup, tmp_path):
+    """The features ablation: features stored for layers (0, 1, 2) of the 2-layer target serve
+    a head fusing any subset of them or the final hidden state (index L = 2 here is both: the
+    state entering "layer 2" is the final pre-norm hidden state). The loss over the wide store
+    equals the loss over features collected for exactly that head; an unstored layer is a
+    ValueError naming it."""
+    import dataclasses
+
+    from specjax.train.pipeline import init_trainable_head
+
+    target, data, work = setup
+    wide = data_lib.load_hidden(data_lib.collect_hidden(
+        target, str(work / "corpus"), str(work / "hidden-w"), seq_len=32, batch_size=16,
+        aux_layers=(0, 1)))
+    tc = trainer.TrainConfig(steps=1, batch_size=8, seq_len=32, rollout=2)
+    b = slice(0, 8)
+    for aux in [(2,), (1, 0)]:  # the final state (not in the aux blocks); a reordered subset
+        hcfg = HeadConfig.for_target(target.config, "eagle3", aux_layers=aux)
+        params = init_trainable_head(target, hcfg, 0)
+        narrow = data_lib.load_hidden(data_lib.collect_hidden(
+            target, str(work / "corpus"), str(work / f"hidden-{'_'.join(map(str, aux))}"),
+            seq_len=32, batch_size=16, aux_layers=aux))
+        args = (params, hcfg, target.params, target.config, data["tokens"][b], data["lengths"][b])
+        got, _ = trainer.head_loss(*args, wide["hidden"][b], tc, data["prompt_lens"][b],
+                                   stored_layers=(0, 1))
+        want, _ = trainer.head_loss(*args, narrow["hidden"][b], tc, data["prompt_lens"][b])
+        assert float(got) == float(want), aux
+    # a head fusing only the final hidden state (aux L) saves in the reference layout (layer id
+    # L - 1), loads back with it, and drafts losslessly
+    from specjax.heads import Head
+    from specjax.io.heads_io import save_eagle3
+
+    hcfg = HeadConfig.for_target(target.config, "eagle3", aux_layers=(2,))
+    save_eagle3(Head(init_trainable_head(target, hcfg, 0), hcfg), str(tmp_path / "last"))
+    head = sj.load_draft(str(tmp_path / "last"), target=target)
+    assert head.config.aux_layers == (2,)
+    prompts = [[1, 2], [7, 3, 9]]
+    plain = sj.generate(target, prompts, max_new_tokens=8, eos_token_id=[])
+    spec = sj.generate(target, prompts, max_new_tokens=8, draft=head, method="eagle3",
+                       num_draft_tokens=2, eos_token_id=[])
+    assert spec.tokens == plain.tokens
+    hcfg = HeadConfig.for_target(target.config, "eagle3", aux_layers=(1,))
+    with pytest.raises(ValueError, match=r"need layers \[1\]"):
+        trainer.feature_blocks(hcfg, 2, (0,))
+    assert trainer.feature_blocks(dataclasses.replace(hcfg, aux_layers=(0, 1)), 2, None) == (1, 2)

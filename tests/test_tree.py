@@ -269,6 +269,7 @@ def test_greedy_lossless(predictable, plain_predictable, kind, name):
     check_stats_agree(out, len(PROMPTS))
 
 
+@pytest.mark.slow  # default-run time (README: ~15 min on 2 cores); run with -m slow
 def test_static_chain_tree_equals_chain_method(predictable):
     """A static chain tree accepts exactly what the k-chain accepts (same head, greedy)."""
     head = mimic_head(predictable, "eagle")

@@ -166,18 +166,23 @@ def init_trainable_head(target, hcfg, seed: int = 0, vocab=None) -> dict:
 
 def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: trainer.TrainConfig,
                eval_prompts: int = 8, draft_vocab: int = 0, run_name: str | None = None,
-               data=None):
+               data=None, aux_layers: tuple | None = None):
     """Trains a head; ``draft_vocab`` > 0 restricts it to that many of the most frequent answer
     tokens of the training data (plus EOS). ``data``: (train, held_out) ``RaggedSet``s from
     ``prepare_broad`` (default: the hidden states ``prepare`` left under ``work``);
     ``eval_prompts`` = 0 skips the decoding-based acceptance check. An EAGLE-3 head (``kind="eagle3"``, hidden states
     from ``prepare(..., aux_layers=default_aux_layers(L))``) is saved in the reference layout
-    (``save_eagle3``: vLLM / SGLang load it); the others in specjax's format."""
-    from specjax.heads import Head, HeadConfig  # noqa: PLC0415
+    (``save_eagle3``: vLLM / SGLang load it); the others in specjax's format. ``aux_layers``
+    (EAGLE-3): the layers it fuses, default ``default_aux_layers(L)``; any subset of those and
+    L (the final hidden state), read from the stored default features (the features ablation).
+    """
+    from specjax.heads import Head, HeadConfig, default_aux_layers  # noqa: PLC0415
     from specjax.io.heads_io import save_eagle3, save_head  # noqa: PLC0415
 
-    hcfg = HeadConfig.for_target(target.config, kind, norms=norms)
-    train, held = data if data is not None else (load_split(work, "train", aux_layers=hcfg.aux_layers), None)
+    hcfg = HeadConfig.for_target(target.config, kind, norms=norms, aux_layers=aux_layers)
+    stored = default_aux_layers(target.config.num_layers) if kind == "eagle3" else ()
+    trainer.feature_blocks(hcfg, target.config.num_layers, stored or None)  # ValueError early
+    train, held = data if data is not None else (load_split(work, "train", aux_layers=stored), None)
     n_train = len(train) if held is not None else len(train["tokens"])
     vocab = None
     if draft_vocab:
@@ -187,24 +192,26 @@ def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: tra
         hcfg = dataclasses.replace(hcfg, draft_vocab_size=int(vocab.shape[0]))
     params = init_trainable_head(target, hcfg, tc.seed, vocab)
     name = f"{kind}-{'norms' if norms else 'nonorms'}" + (f"-v{draft_vocab}" if vocab is not None else "")
+    if stored and hcfg.aux_layers != stored:
+        name += "-aux" + "_".join(map(str, hcfg.aux_layers))
 
     def with_vocab(p):
         return p if vocab is None else dict(p, draft_vocab=vocab)
 
     def loss_fn(p, tp, tokens, lengths, hidden, plens):
         return trainer.head_loss(with_vocab(p), hcfg, tp, target.config, tokens, lengths, hidden,
-                                 tc, plens)
+                                 tc, plens, stored_layers=stored or None)
 
     def eval_fn(p, tp, tokens, lengths, hidden, plens):
         return trainer.head_loss(with_vocab(p), hcfg, tp, target.config, tokens, lengths, hidden,
-                                 tc, plens, exact_top1=True)
+                                 tc, plens, exact_top1=True, stored_layers=stored or None)
 
     t0 = time.perf_counter()
     run_dir = os.path.join(work, run_name or f"run-{name}")
     params = trainer.fit(loss_fn, params, target.params, train, tc, run_dir, describe=name,
                          signature={"head": hcfg.to_dict(), "sequences": n_train})
     train_time = time.perf_counter() - t0
-    metrics = held_out_eval(eval_fn, params, target.params, work, tc, hcfg.aux_layers, held)
+    metrics = held_out_eval(eval_fn, params, target.params, work, tc, stored, held)
     head = Head(params=with_vocab(params), config=hcfg)
     accept = (acceptance_eval(target, tok, head, kind, num_prompts=eval_prompts)
               if eval_prompts else None)

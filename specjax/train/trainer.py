@@ -81,12 +81,31 @@ def _loss_mask(t, offset, lengths, prompt_lens, tc: TrainConfig):
     return mask.astype(jnp.float32)
 
 
+def feature_blocks(head_cfg: heads.HeadConfig, num_layers: int,
+                   stored_layers: tuple | None) -> tuple[int, ...]:
+    """Which E-wide blocks of stored features an EAGLE-3 head reads, in its ``aux_layers`` order.
+
+    Stored features are [final hidden, states entering ``stored_layers``...] (block 0 = the
+    final pre-norm hidden state = the state "entering" layer ``num_layers``); ``stored_layers``
+    None means they are exactly ``head_cfg.aux_layers``. ValueError when a layer is not stored."""
+    if stored_layers is None or tuple(stored_layers) == head_cfg.aux_layers:
+        return tuple(range(1, 1 + len(head_cfg.aux_layers)))
+    where = {num_layers: 0, **{int(i): 1 + j for j, i in enumerate(stored_layers)}}
+    missing = [i for i in head_cfg.aux_layers if i not in where]
+    if missing:
+        raise ValueError(f"head aux_layers {head_cfg.aux_layers} need layers {missing}, not in the "
+                         f"stored features (final = {num_layers}, stored {tuple(stored_layers)})")
+    return tuple(where[i] for i in head_cfg.aux_layers)
+
+
 def head_loss(head_params, head_cfg: heads.HeadConfig, tp, tcfg, tokens, lengths, hidden,
-              tc: TrainConfig, prompt_lens=None, *, exact_top1: bool = False):
+              tc: TrainConfig, prompt_lens=None, *, exact_top1: bool = False,
+              stored_layers: tuple | None = None):
     """Head loss on one batch. tp/tcfg: the target's params and config; tokens [B, T],
-    lengths [B], hidden [B, T, E] (EAGLE-3: [B, T, E + A*E], the final hidden states followed by
-    the states entering ``head_cfg.aux_layers``, see data.collect_hidden), prompt_lens [B]
-    (optional; see ``_loss_mask``).
+    lengths [B], hidden [B, T, E] (EAGLE-3: [B, T, E + S*E], the final hidden states followed by
+    the states entering ``stored_layers`` (default: exactly ``head_cfg.aux_layers``), see
+    data.collect_hidden; the head reads the blocks of its own ``aux_layers``, ``feature_blocks``),
+    prompt_lens [B] (optional; see ``_loss_mask``).
 
     Pass 1 is teacher-forced: head position j sees (x_{j+1}, f_j). With ``tc.rollout`` = R > 1,
     pass r feeds position j the head's own pass-(r-1) output at j-1 in place of f_j, the input it
@@ -104,7 +123,10 @@ def head_loss(head_params, head_cfg: heads.HeadConfig, tp, tcfg, tokens, lengths
     b, t = tokens.shape
     hidden = hidden.astype(jnp.float32)
     eagle3 = head_cfg.kind == "eagle3"
-    aux = hidden[:, :-1, tcfg.hidden_size:] if eagle3 else None
+    e = tcfg.hidden_size
+    aux = (jnp.concatenate([hidden[:, :-1, i * e:(i + 1) * e] for i in
+                            feature_blocks(head_cfg, tcfg.num_layers, stored_layers)], axis=-1)
+           if eagle3 else None)
     hidden = hidden[..., :tcfg.hidden_size]
     feats = heads.head_features(head_params, head_cfg, tp, tcfg, hidden[:, :-1], aux)  # f_j
     h_next = hidden[:, 1:]  # h_{j+1}
