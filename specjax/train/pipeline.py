@@ -181,7 +181,8 @@ def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: tra
 
     hcfg = HeadConfig.for_target(target.config, kind, norms=norms, aux_layers=aux_layers)
     stored = default_aux_layers(target.config.num_layers) if kind == "eagle3" else ()
-    trainer.feature_blocks(hcfg, target.config.num_layers, stored or None)  # ValueError early
+    if stored:
+        trainer.feature_blocks(hcfg, target.config.num_layers, stored)  # ValueError early
     train, held = data if data is not None else (load_split(work, "train", aux_layers=stored), None)
     n_train = len(train) if held is not None else len(train["tokens"])
     vocab = None
@@ -200,11 +201,11 @@ def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: tra
 
     def loss_fn(p, tp, tokens, lengths, hidden, plens):
         return trainer.head_loss(with_vocab(p), hcfg, tp, target.config, tokens, lengths, hidden,
-                                 tc, plens, stored_layers=stored or None)
+                                 tc, plens, stored_layers=stored)
 
     def eval_fn(p, tp, tokens, lengths, hidden, plens):
         return trainer.head_loss(with_vocab(p), hcfg, tp, target.config, tokens, lengths, hidden,
-                                 tc, plens, exact_top1=True, stored_layers=stored or None)
+                                 tc, plens, exact_top1=True, stored_layers=stored)
 
     t0 = time.perf_counter()
     run_dir = os.path.join(work, run_name or f"run-{name}")

@@ -88,13 +88,12 @@ def feature_blocks(head_cfg: heads.HeadConfig, num_layers: int,
     Stored features are [final hidden, states entering ``stored_layers``...] (block 0 = the
     final pre-norm hidden state = the state "entering" layer ``num_layers``); ``stored_layers``
     None means they are exactly ``head_cfg.aux_layers``. ValueError when a layer is not stored."""
-    if stored_layers is None or tuple(stored_layers) == head_cfg.aux_layers:
-        return tuple(range(1, 1 + len(head_cfg.aux_layers)))
-    where = {num_layers: 0, **{int(i): 1 + j for j, i in enumerate(stored_layers)}}
+    stored = head_cfg.aux_layers if stored_layers is None else tuple(stored_layers)
+    where = {num_layers: 0, **{int(i): 1 + j for j, i in enumerate(stored)}}
     missing = [i for i in head_cfg.aux_layers if i not in where]
     if missing:
         raise ValueError(f"head aux_layers {head_cfg.aux_layers} need layers {missing}, not in the "
-                         f"stored features (final = {num_layers}, stored {tuple(stored_layers)})")
+                         f"stored features (final = {num_layers}, stored {stored})")
     return tuple(where[i] for i in head_cfg.aux_layers)
 
 
