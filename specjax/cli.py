@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -492,11 +493,13 @@ def _aux_layers_arg(text, kind: str):
 
 def cmd_train_head(args) -> int:
     aux = _aux_layers_arg(args.aux_layers, args.kind)  # bad flags fail before any work
+    if args.init_from is not None and not os.path.exists(args.init_from):
+        raise ValueError(f"--init-from {args.init_from!r}: no such head checkpoint")
     target, tok, tc, pipeline = _prepare_training(args)
     pipeline.train_head(target, tok, args.work, args.out, args.kind, args.norms == "on", tc,
                         eval_prompts=args.eval_prompts, draft_vocab=args.draft_vocab,
                         run_name=args.run_name, data=args.data,
-                        aux_layers=aux)
+                        aux_layers=aux, init_from=args.init_from)
     return 0
 
 
@@ -702,6 +705,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="eagle3: the target layers whose entering hidden states the head fuses "
                          "(default 2, L//2, L-3); any of those and L (the final hidden state), "
                          "e.g. '30' for a last-layer-only head on a 30-layer target")
+    th.add_argument("--init-from", default=None, metavar="HEAD",
+                    help="start from this head (a checkpoint of the same --kind and features, "
+                         "e.g. a teacher-forced run fine-tuned with --rollout 3; its draft "
+                         "vocabulary is kept) instead of the target's last layer")
     td = sub.add_parser("train-draft", help="distill a small draft LLM sharing the target's "
                                                "embedding and lm_head (resumable)")
     _train_common(td)

@@ -52,7 +52,8 @@ def test_bad_arguments_exit_2(tiny_dirs, capsys):
     # train-head --aux-layers is checked before any model or data is loaded
     for bad, msg in [(["--aux-layers", "2,x"], "comma-separated"), (["--aux-layers", "3,3"], "distinct"),
                      (["--aux-layers", "-1"], "distinct"), (["--kind", "mtp", "--aux-layers", "2"],
-                                                             "for --kind eagle3")]:
+                                                             "for --kind eagle3"),
+                     (["--init-from", "no/such/head"], "--init-from 'no/such/head': no such")]:
         argv = ["train-head", "--model", target, "--out", "unused", "--kind", "eagle3", *bad]
         assert cli.main(argv) == 2
         assert msg in capsys.readouterr().err

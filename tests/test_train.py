@@ -1,5 +1,6 @@
 """Training on precomputed hidden states: heads and draft LLMs learn, save, load and draft."""
 
+import dataclasses
 import gzip
 import json
 import os
@@ -457,3 +458,59 @@ def test_eagle3_head_reads_its_layers_from_wider_stored_features(setup, tmp_path
     with pytest.raises(ValueError, match=r"need layers \[1\]"):
         trainer.feature_blocks(hcfg, 2, (0,))
     assert trainer.feature_blocks(dataclasses.replace(hcfg, aux_layers=(0, 1)), 2, None) == (1, 2)
+
+
+def test_train_head_init_from_continues_a_saved_head(tmp_path):
+    """``train_head(init_from=...)`` starts from a saved EAGLE-3 head (its params and draft
+    vocabulary, in the reference layout it was saved in), not from the target's last layer:
+    zero further steps give back the same head, a further run starts at the saved head's loss
+    (far below a fresh start's), and a head of another kind, features or vocabulary size is a
+    ValueError naming init_from."""
+    import types
+
+    from specjax.heads import default_aux_layers
+    from specjax.train import pipeline
+
+    target = tiny_model(5, vocab=64, hidden=32, layers=8, scale=0.5)
+    rng = np.random.RandomState(1)
+    prompts = [rng.randint(0, 64, size=rng.randint(2, 8)).tolist() for _ in range(32)]
+    out = sj.generate(target, prompts, max_new_tokens=24, eos_token_id=[])
+    os.makedirs(tmp_path / "corpus")
+    with open(tmp_path / "corpus" / "corpus-00000.jsonl", "w") as f:
+        for p, o in zip(prompts, out.tokens):
+            f.write(json.dumps({"ids": p + o, "prompt_len": len(p)}) + "\n")
+    work = str(tmp_path)
+    data_lib.collect_hidden(target, str(tmp_path / "corpus"),
+                            pipeline._hidden_dir(work, "train", default_aux_layers(8)),
+                            seq_len=32, batch_size=16, aux_layers=default_aux_layers(8))
+    tok = types.SimpleNamespace(eos_token_id=None)
+    tc = trainer.TrainConfig(steps=40, batch_size=16, seq_len=32, lr=1e-2, warmup=5, log_every=1,
+                             rollout=1)
+
+    def train(out, run, init_from=None, **kw):
+        kw = {"draft_vocab": 40, "tc": tc, **kw}
+        pipeline.train_head(target, tok, work, str(tmp_path / out), "eagle3", True, kw.pop("tc"),
+                            eval_prompts=0, run_name=run, init_from=init_from, **kw)
+        return sj.load_draft(str(tmp_path / out), target=target)
+
+    first = train("a", "run-a")
+    assert first.config.draft_vocab_size == 40
+    same = train("b", "run-b", str(tmp_path / "a"), tc=dataclasses.replace(tc, steps=0))
+    for x, y in zip(jax.tree.leaves(first.params), jax.tree.leaves(same.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    train("c", "run-c", str(tmp_path / "a"), draft_vocab=0, tc=dataclasses.replace(tc, steps=3))
+    fresh0, fresh_end = _first_last(tmp_path / "run-a" / "log.jsonl")
+    cont0, _ = _first_last(tmp_path / "run-c" / "log.jsonl")
+    assert fresh_end["cls"] < 0.8 * fresh0["cls"]  # the first run learned ...
+    assert cont0["cls"] < 0.5 * (fresh0["cls"] + fresh_end["cls"])  # ... and the second kept it
+    with pytest.raises(ValueError, match="init_from .* draft vocabulary of 40 tokens"):
+        train("d", "run-d", str(tmp_path / "a"), draft_vocab=20)
+    with pytest.raises(ValueError, match=r"init_from .* aux_layers=\(2, 4, 5\)"):
+        train("d", "run-d", str(tmp_path / "a"), aux_layers=(8,))
+    from specjax.heads import Head
+    from specjax.io.heads_io import save_head
+
+    mtp = HeadConfig.for_target(target.config, "mtp")
+    save_head(Head(init_head(mtp, jax.random.key(0)), mtp), str(tmp_path / "mtp"))
+    with pytest.raises(ValueError, match="init_from .* kind='mtp'; this run trains 'eagle3'"):
+        train("d", "run-d", str(tmp_path / "mtp"))

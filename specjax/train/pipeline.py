@@ -164,9 +164,40 @@ def init_trainable_head(target, hcfg, seed: int = 0, vocab=None) -> dict:
     return params
 
 
+def _start_head(target, hcfg, path: str, draft_vocab: int):
+    """The head at ``path`` in the target's dtype, to start a run from; ValueError naming
+    ``init_from`` when it is not a head of ``hcfg``'s kind and features, or its draft vocabulary
+    size is not ``draft_vocab`` (0: whatever it has)."""
+    from specjax.api import load_draft  # noqa: PLC0415
+    from specjax.heads import Head  # noqa: PLC0415
+
+    start = load_draft(path, target)
+    if not isinstance(start, Head):
+        raise ValueError(f"init_from {path!r} is a draft LLM, not a {hcfg.kind} head")
+    for field in ("kind", "norms", "fc_bias", "aux_layers"):
+        got, want = getattr(start.config, field), getattr(hcfg, field)
+        if got != want:
+            raise ValueError(f"init_from {path!r} has {field}={got!r}; this run trains {want!r}")
+    size = start.config.draft_vocab_size
+    if draft_vocab and size != draft_vocab:
+        raise ValueError(f"init_from {path!r} has a draft vocabulary of {size or 'all'} tokens; "
+                         f"draft_vocab asks for {draft_vocab} (0 keeps the head's)")
+    return start
+
+
+def _params_like(start, template: dict, path: str) -> dict:
+    """``start``'s trainable params (no ``draft_vocab``), ValueError unless shaped like
+    ``template``."""
+    params = {k: v for k, v in start.params.items() if k != "draft_vocab"}
+    got, want = (jax.tree.map(lambda x: x.shape, t) for t in (params, template))
+    if got != want:
+        raise ValueError(f"init_from {path!r}: parameter shapes {got} differ from this run's {want}")
+    return params
+
+
 def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: trainer.TrainConfig,
                eval_prompts: int = 8, draft_vocab: int = 0, run_name: str | None = None,
-               data=None, aux_layers: tuple | None = None):
+               data=None, aux_layers: tuple | None = None, init_from: str | None = None):
     """Trains a head; ``draft_vocab`` > 0 restricts it to that many of the most frequent answer
     tokens of the training data (plus EOS). ``data``: (train, held_out) ``RaggedSet``s from
     ``prepare_broad`` (default: the hidden states ``prepare`` left under ``work``);
@@ -175,6 +206,9 @@ def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: tra
     (``save_eagle3``: vLLM / SGLang load it); the others in specjax's format. ``aux_layers``
     (EAGLE-3): the layers it fuses, default ``default_aux_layers(L)``; any subset of those and
     L (the final hidden state), read from the stored default features (the features ablation).
+    ``init_from``: start from this head checkpoint (any ``load_draft`` head path of the same kind,
+    features and shapes; its draft vocabulary too) instead of the target's last layer: continue
+    or fine-tune a head, e.g. teacher-forced first, then with the training-time test.
     """
     from specjax.heads import Head, HeadConfig, default_aux_layers  # noqa: PLC0415
     from specjax.io.heads_io import save_eagle3, save_head  # noqa: PLC0415
@@ -185,14 +219,20 @@ def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: tra
         trainer.feature_blocks(hcfg, target.config.num_layers, stored)  # ValueError early
     train, held = data if data is not None else (load_split(work, "train", aux_layers=stored), None)
     n_train = len(train) if held is not None else len(train["tokens"])
-    vocab = None
-    if draft_vocab:
+    vocab, start = None, None
+    if init_from is not None:
+        start = _start_head(target, hcfg, init_from, draft_vocab)
+        vocab = start.params.get("draft_vocab")
+    elif draft_vocab:
         eos = tok.eos_token_id if isinstance(tok.eos_token_id, int) else None
         vocab = jnp.asarray(data_lib.draft_vocab(train, draft_vocab, target.config.vocab_size,
                                                  always=() if eos is None else (eos,)))
+    if vocab is not None:
         hcfg = dataclasses.replace(hcfg, draft_vocab_size=int(vocab.shape[0]))
     params = init_trainable_head(target, hcfg, tc.seed, vocab)
-    name = f"{kind}-{'norms' if norms else 'nonorms'}" + (f"-v{draft_vocab}" if vocab is not None else "")
+    if start is not None:
+        params = _params_like(start, params, init_from)
+    name = f"{kind}-{'norms' if norms else 'nonorms'}" + (f"-v{draft_vocab or len(vocab)}" if vocab is not None else "")
     if stored and hcfg.aux_layers != stored:
         name += "-aux" + "_".join(map(str, hcfg.aux_layers))
 
@@ -210,7 +250,9 @@ def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: tra
     t0 = time.perf_counter()
     run_dir = os.path.join(work, run_name or f"run-{name}")
     params = trainer.fit(loss_fn, params, target.params, train, tc, run_dir, describe=name,
-                         signature={"head": hcfg.to_dict(), "sequences": n_train})
+                         signature={"head": hcfg.to_dict(), "sequences": n_train,
+                                    **({"init_from": os.path.abspath(init_from)}
+                                       if init_from is not None else {})})
     train_time = time.perf_counter() - t0
     metrics = held_out_eval(eval_fn, params, target.params, work, tc, stored, held)
     head = Head(params=with_vocab(params), config=hcfg)
@@ -223,7 +265,7 @@ def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: tra
     report = {"name": name, "kind": kind, "norms": norms, "draft_vocab": draft_vocab,
               "train_config": dataclasses.asdict(tc),
               "train_tokens": int(lens.sum()), "train_answer_tokens": int((lens - plens).sum()),
-              "train_sequences": n_train, "train_time_s": train_time,
+              "train_sequences": n_train, "train_time_s": train_time, "init_from": init_from,
               "held_out": metrics, "acceptance": accept}
     (save_eagle3 if kind == "eagle3" else save_head)(head, out)
     with open(os.path.join(out, "report.json"), "w") as f:
