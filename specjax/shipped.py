@@ -20,10 +20,13 @@ SHIPPED_FOR = "smollm2-135m"  # the target (``Model.source``) the shipped drafts
 KINDS = ("mtp", "eagle", "eagle3", "draft")
 # (folder name, draft kind), best first: within a kind the first present one is used. Without a
 # fastest.json entry the default draft is the first present one overall: smollm2-mtp-v8k is the
-# fastest on the wiki chat prompts; smollm2-eagle3-broad accepts more on held-out broad prompts and
-# holds up best over chat + demo prompts, so fastest.json names it on CPU (benchmarks/RESULTS.md,
-# "EAGLE-3 head on 2x the broad data").
-SHIPPED = (("smollm2-mtp-v8k", "mtp"), ("smollm2-eagle3-broad", "eagle3"), ("smollm2-mtp", "mtp"),
+# fastest on the wiki chat prompts at k=2; smollm2-eagle3-broad16-r1 (16 broad shards,
+# teacher-forced, 1,800 steps) drafts the best first token and is the fastest over chat + demo
+# prompts at k=1 with n-gram hybrid, so fastest.json names it on CPU (benchmarks/RESULTS.md,
+# "Training compute of the EAGLE-3 head"); smollm2-eagle3-broad (rollout 3) accepts more at k>=3
+# and in trees.
+SHIPPED = (("smollm2-mtp-v8k", "mtp"), ("smollm2-eagle3-broad16-r1", "eagle3"),
+           ("smollm2-eagle3-broad", "eagle3"), ("smollm2-mtp", "mtp"),
            ("smollm2-eagle", "eagle"), ("smollm2-draft", "draft"))
 
 
