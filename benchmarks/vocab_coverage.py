@@ -1,7 +1,7 @@
 """Coverage of a reduced draft vocabulary: the ceiling it puts on a head's acceptance.
 
 A head restricted to the ``n`` most frequent answer tokens of its training shards (EAGLE-3's
-draft vocabulary, chosen as ``specjax.train.data.draft_vocab`` chooses it: by count, EOS always
+draft vocabulary, chosen by ``specjax.train.data.draft_vocab`` itself: by count, EOS always
 in) can only propose those tokens, so the share of the target's greedy held-out answer tokens
 inside the set bounds the fraction of drafts that can be accepted. This counts that share for
 each size, over all held-out greedy answers and per domain. Token counting only: no model runs.
@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from specjax.train import data as data_lib  # noqa: E402
 from specjax.train import distill  # noqa: E402
 
 VOCAB = 49152  # SmolLM2
@@ -43,25 +44,23 @@ def main(argv=None) -> int:
     paths = distill.shard_files(args.corpus)[:args.shards]
     if not paths:
         raise SystemExit(f"no answers-*.jsonl.gz shards in {args.corpus}")
-    counts = np.zeros(VOCAB, np.int64)
-    for p in paths:
-        for a in answers(distill.read_rows(p)):
-            counts += np.bincount(a, minlength=VOCAB)
-    counts[EOS] = counts.max() + 1  # always in, as draft_vocab keeps it
-    ranked = np.argsort(-counts, kind="stable")
+    train = np.concatenate([a for p in paths for a in answers(distill.read_rows(p))])
+    as_one_row = {"tokens": train[None], "lengths": np.array([len(train)]),
+                  "prompt_lens": np.array([0])}  # every token an answer token
     held = [r for p in distill.shard_files(args.held_out) for r in distill.read_rows(p)
             if r.get("temperature", 0) == 0]
     domains = sorted({r["domain"] for r in held})
-    result = {"train_shards": len(paths), "train_answer_tokens": int(counts.sum() - counts[EOS]),
-              "distinct_train_tokens": int((counts > 0).sum()), "sizes": {}}
+    held_answers = answers(held)
+    result = {"train_shards": len(paths), "train_answer_tokens": int(len(train)),
+              "distinct_train_tokens": int(len(np.unique(train))), "sizes": {}}
     print(f"{len(paths)} train shards; held-out greedy answers: {len(held)}")
     print("size | all | " + " | ".join(domains))
     for n in sizes:
         inside = np.zeros(VOCAB, bool)
-        inside[ranked[:n]] = True
+        inside[data_lib.draft_vocab(as_one_row, n, VOCAB, always=(EOS,))] = True
         row = {}
         for name in ["all", *domains]:
-            toks = np.concatenate([a for r, a in zip(held, answers(held))
+            toks = np.concatenate([a for r, a in zip(held, held_answers)
                                    if name == "all" or r["domain"] == name])
             row[name] = float(inside[toks].mean())
         result["sizes"][n] = row
