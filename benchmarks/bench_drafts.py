@@ -17,7 +17,9 @@ Prompt sets: ``chat`` = held-out wiki chat prompts (``chat_prompts("held_out")``
 ``--prompts``); ``broad`` = held-out prompts of every domain of ``specjax.train.prompts``
 (``--prompts`` per domain); ``demo`` = the demo's prompts (``specjax.cli.DEMO_PROMPTS``), each its
 own call. ``--trees`` adds EAGLE-2 dynamic trees (heads only), ``--hybrid-min`` adds n-gram
-hybrid chains (an n-gram match of at least that many tokens replaces the head's draft).
+hybrid chains (an n-gram match of at least that many tokens replaces the head's draft),
+``--confident K,..`` adds adaptive chains whose k in 0..K follows each step's draft confidence
+(rows "conf K", ``adaptive_by="confidence"``), ``--hybrid-only`` keeps only the hybrid rows.
 """
 
 from __future__ import annotations
@@ -55,13 +57,20 @@ def _prompts(tok, prompt_set: str, n: int) -> list[list[int]]:
 
 
 def _spec_of_label(label: str) -> dict:
-    """The speculation settings of a row label: "K", "K hybrid H" or "tree D/T/N"."""
+    """The speculation settings of a row label: "K", "K hybrid H", "tree D/T/N", or "conf K"
+    / "conf K hybrid H" (adaptive k in 0..K by the drafts' confidence)."""
     parts = str(label).split()
     if parts[0] == "tree":
         depth, top_k, nodes = (int(x) for x in parts[1].split("/"))
-        return dict(num_draft_tokens=depth, tree=[depth, top_k, nodes], hybrid_min=0)
-    return dict(num_draft_tokens=int(parts[0]), tree=None,
-                hybrid_min=int(parts[2]) if len(parts) > 2 and parts[1] == "hybrid" else 0)
+        return dict(num_draft_tokens=depth, tree=[depth, top_k, nodes],
+                    hybrid_min=0)
+    conf = parts[0] == "conf"
+    parts = parts[1:] if conf else parts
+    out = dict(num_draft_tokens=int(parts[0]), tree=None,
+               hybrid_min=int(parts[2]) if len(parts) > 2 and parts[1] == "hybrid" else 0)
+    if conf:
+        out.update(adaptive=True, adaptive_by="confidence")
+    return out
 
 
 def _trusted(row) -> bool:
@@ -116,8 +125,13 @@ def main(argv=None):
     ap.add_argument("--prompt-set", choices=("chat", "broad", "demo"), default="chat")
     ap.add_argument("--trees", default="", help="EAGLE-2 trees depth,top_k,nodes separated by ';' "
                     "(heads only), e.g. '3,2,4;4,4,16'")
+    ap.add_argument("--confident", default="", metavar="KS",
+                    help="also time adaptive k in 0..K by the drafts' confidence "
+                         "(adaptive_by='confidence') for these K, e.g. '2,3' (rows 'conf K')")
     ap.add_argument("--hybrid-min", type=int, default=0,
                     help="also time n-gram hybrid chains with this minimum match (0 = none)")
+    ap.add_argument("--hybrid-only", action="store_true",
+                    help="with --hybrid-min: time only the hybrid rows of --ks / --confident")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
@@ -143,7 +157,8 @@ def main(argv=None):
         return 0 if write_fastest(results, args.fastest_command or f"(from {args.fastest_from})") else 1
     if not 0 <= args.hybrid_min <= 3:  # the CLI's default ngram_max, which fastest.json assumes
         raise SystemExit(f"--hybrid-min must be in [0, 3], got {args.hybrid_min}")
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = [int(k) for k in args.ks.split(",") if k.strip()]
+    confident = [int(k) for k in args.confident.split(",") if k.strip()]
 
     target = sj.load_model("smollm2-135m")
     tok = sj.load_tokenizer("smollm2-135m")
@@ -160,10 +175,17 @@ def main(argv=None):
     configs = {}  # (draft, label) -> (k: drafts verified per step at most, generate kwargs)
     for name, d in drafts.items():
         for k in ks:
-            configs[(name, f"{k}")] = (k, dict(draft=d, method=_method(d), num_draft_tokens=k))
+            if not args.hybrid_only:
+                configs[(name, f"{k}")] = (k, dict(draft=d, method=_method(d), num_draft_tokens=k))
             if args.hybrid_min:
                 configs[(name, f"{k} hybrid {args.hybrid_min}")] = (
                     k, dict(draft=d, method=_method(d), num_draft_tokens=k, hybrid_min=args.hybrid_min))
+        for k in confident:  # adaptive k in 0..K by the drafts' confidence
+            for hybrid in sorted({args.hybrid_min} if args.hybrid_only else {0, args.hybrid_min}):
+                label = f"conf {k}" + (f" hybrid {hybrid}" if hybrid else "")
+                configs[(name, label)] = (k, dict(draft=d, method=_method(d), num_draft_tokens=k,
+                                                  hybrid_min=hybrid, adaptive=True,
+                                                  adaptive_by="confidence"))
         for depth, top_k, nodes in (trees if isinstance(d, Head) else []):
             configs[(name, f"tree {depth}/{top_k}/{nodes}")] = (depth, dict(
                 draft=d, method="eagle-tree",

@@ -349,7 +349,8 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
              eos_token_id=None, *, tokenizer=None, draft_sampling: bool = False,
              page_size: int = 16, attn_impl: str = "reference", tree=None,
              spec: SpecConfig | None = None, mesh=None, ngram_min: int = 1, ngram_max: int = 3,
-             hybrid_min: int = 0, adaptive: bool = False) -> GenerateOutput:
+             hybrid_min: int = 0, adaptive: bool = False,
+             adaptive_by: str = "history") -> GenerateOutput:
     """Generates continuations for a batch of prompts, speculatively or plainly.
 
     The whole generation (prefill + every step) is one jitted call with a ``lax.while_loop`` on
@@ -384,8 +385,12 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
       adaptive: choose k in {0 (plain step), 1..num_draft_tokens} on device every step from the
         recent acceptance and a cost model measured on this device (specjax.adaptive); the
         chosen-k histogram is in stats["k_histogram"].
+      adaptive_by: "history" (k from the acceptance of recent steps) or "confidence" (k from
+        each step's drafts: the drafter's calibrated confidence; drafting stops early), see
+        specjax.adaptive. Only with adaptive=True and a model drafter.
       spec: a whole ``specjax.SpecConfig`` instead of method / num_draft_tokens / draft_sampling /
-        tree / attn_impl / page_size / ngram_min / ngram_max / hybrid_min / adaptive
+        tree / attn_impl / page_size / ngram_min / ngram_max / hybrid_min / adaptive /
+        adaptive_by
         (which must then keep their defaults).
     Returns:
       GenerateOutput with .tokens (list[list[int]]) and .stats (acceptance_rate,
@@ -398,7 +403,7 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
     spec = _spec_config(spec, method=method, num_draft_tokens=num_draft_tokens,
                         draft_sampling=draft_sampling, tree=tree, attn_impl=attn_impl,
                         page_size=page_size, ngram_min=ngram_min, ngram_max=ngram_max,
-                        hybrid_min=hybrid_min, adaptive=adaptive)
+                        hybrid_min=hybrid_min, adaptive=adaptive, adaptive_by=adaptive_by)
     method = spec.method
     req = _validate(target, draft, spec, prompts, max_new_tokens, temperature, top_k, top_p, seed,
                     eos_token_id, tokenizer)
@@ -460,6 +465,10 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         stats["acceptance_rate"] = accepted / drafted if drafted else float("nan")
     if "k_hist" in extra:
         stats["k_histogram"] = [int(c) for c in extra["k_hist"]]
+    if "table" in extra:  # adaptive_by="confidence": decayed accepted / reached per cell
+        hits, obs = extra["table"]
+        stats["calibration"] = {"accepted": np.round(hits, 3).tolist(),
+                                "reached": np.round(obs, 3).tolist()}
     texts = None
     if tokenizer is not None:
         texts = [tokenizer.decode(t) for t in toks]
@@ -468,7 +477,7 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
 
 _SPEC_DEFAULTS = dict(method="none", num_draft_tokens=4, draft_sampling=False, tree=None,
                       attn_impl="reference", page_size=16, ngram_min=1, ngram_max=3, hybrid_min=0,
-                      adaptive=False)
+                      adaptive=False, adaptive_by="history")
 
 
 def _spec_config(spec, **fields) -> SpecConfig:

@@ -74,6 +74,8 @@ def _apply_recommended(args, rec: dict) -> None:
     """Fills the settings the user left unset from a measured-fastest entry (shipped.fastest)."""
     if args.k is None and rec.get("num_draft_tokens"):
         args.k = int(rec["num_draft_tokens"])
+    if getattr(args, "adaptive", None) is None and rec.get("adaptive"):
+        args.adaptive = rec.get("adaptive_by") or "history"
     if args.hybrid_min is None:
         args.hybrid_min = int(rec.get("hybrid_min") or 0)
     if rec.get("tree"):
@@ -97,14 +99,19 @@ def _tree(args, method):
 
 
 def _spec_kw(args, method, adaptive=None, k=None) -> dict:
-    """The n-gram / hybrid / adaptive settings of --ngram-*, --hybrid-min, --adaptive."""
+    """The n-gram / hybrid / adaptive settings of --ngram-*, --hybrid-min, --adaptive.
+
+    ``adaptive``: None (as --adaptive says), False, or True (adapt by --adaptive's signal, else
+    by confidence where the method has a model drafter)."""
     if method == "none":
         return {}
-    adaptive = args.adaptive if adaptive is None else adaptive
+    model_drafter = method in ("draft", "mtp", "eagle", "eagle3")
+    signal = args.adaptive or ("confidence" if model_drafter else "history")
+    on = bool(args.adaptive) if adaptive is None else adaptive
+    on = on and method != "eagle-tree"
     return dict(num_draft_tokens=k or args.k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                hybrid_min=(args.hybrid_min or 0) if method in ("draft", "mtp", "eagle", "eagle3")
-                else 0,
-                adaptive=adaptive and method != "eagle-tree")
+                hybrid_min=(args.hybrid_min or 0) if model_drafter else 0,
+                adaptive=on, adaptive_by=signal if on else "history")
 
 
 def _generate_kwargs(args, draft, method, adaptive=None, k=None) -> dict:
@@ -252,7 +259,9 @@ def cmd_demo(args) -> int:
     print(f"speculative tokens/s       {fmt(tps['speculative'])}")
     print(f"speedup                    {fmt(speedup['speculative'], 'x')}")
     a = adapt.stats
-    print(f"\n--- adaptive speculation (k chosen on device each step in 0..{k_adapt}) ---")
+    signal = kws["adaptive"].get("adaptive_by", "history")
+    print(f"\n--- adaptive speculation (k chosen on device each step in 0..{k_adapt}, by "
+          f"{signal}) ---")
     print(f"outputs identical to plain decoding: {plain.tokens == adapt.tokens}")
     print("steps per chosen k         " + "  ".join(f"k={i}: {c}" for i, c in
                                                     enumerate(a["k_histogram"])))
@@ -319,7 +328,8 @@ def cmd_serve(args) -> int:
         raise ValueError("--adaptive needs a speculative --method, got 'none'")
     target, tok, draft = _load(args)
     config = serve_app.make_engine_config(
-        method=args.method, num_draft_tokens=args.k, adaptive=args.adaptive,
+        method=args.method, num_draft_tokens=args.k, adaptive=bool(args.adaptive),
+        adaptive_by=args.adaptive or "history",
         tree=_tree(args, args.method), max_slots=args.max_slots, max_model_len=args.max_model_len,
         num_pages=args.num_pages, page_size=args.page_size,
         batch_buckets=_ints(args.batch_buckets), token_buckets=_ints(args.token_buckets),
@@ -524,9 +534,12 @@ def _common(p):
                         "fastest.json when the shipped draft is used; else 1 for MTP heads, 4 "
                         "otherwise, 3 for n-gram)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--adaptive", action="store_true",
-                   help="pick k in 0..k on device every step from recent acceptance and a cost "
-                        "model measured at warm-up (k = 0: a plain step)")
+    p.add_argument("--adaptive", nargs="?", const="history", default=None,
+                   choices=("history", "confidence"),
+                   help="pick k in 0..k on device every step (k = 0: a plain step) from the "
+                        "recent acceptance ('history', the default) or from each step's drafts "
+                        "('confidence': the drafter's calibrated confidence, model drafters "
+                        "only), with a cost model measured at warm-up")
     p.add_argument("--ngram-min", type=int, default=1,
                    help="n-gram lookup: shortest suffix match (default: %(default)s)")
     p.add_argument("--ngram-max", type=int, default=3,
@@ -624,9 +637,11 @@ def build_parser() -> argparse.ArgumentParser:
                     default=None, help="none = plain decoding; default: the best shipped draft's")
     sv.add_argument("-k", "--num-draft-tokens", dest="k", type=int, default=None,
                     help="draft length k (default: 1 for MTP heads, else 4)")
-    sv.add_argument("--adaptive", action="store_true",
+    sv.add_argument("--adaptive", nargs="?", const="history", default=None,
+                    choices=("history", "confidence"),
                     help="pick k in 0..k on device every speculative step from the recent "
-                         "acceptance and a cost model measured per batch bucket at warm-up")
+                         "acceptance ('history', the default) or each step's drafts "
+                         "('confidence'), with a cost model measured per batch bucket at warm-up")
     sv.add_argument("--tree-depth", type=int, default=5)
     sv.add_argument("--tree-top-k", type=int, default=4)
     sv.add_argument("--tree-nodes", type=int, default=16)

@@ -210,6 +210,7 @@ class Qwen3MoeConfig(ModelConfig):
 
 METHODS = ("none", "draft", "mtp", "eagle", "eagle3", "eagle-tree", "ngram")
 ATTN_IMPLS = ("reference", "pallas")
+ADAPTIVE_SIGNALS = ("history", "confidence")  # SpecConfig.adaptive_by
 
 
 def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
@@ -246,7 +247,12 @@ class SpecConfig:
         1 <= ngram_min <= ngram_max <= 64.
       hybrid_min: n-gram hybrid drafting: an n-gram match of at least this many tokens is
         preferred over the model draft (0 = no hybrid); >= 0.
-      adaptive: adapt the draft length per step from observed acceptance (not with "none").
+      adaptive: adapt the draft length per step (not with "none"; specjax.adaptive).
+      adaptive_by: what adaptive k follows: "history" (the acceptance observed over recent
+        steps, one estimate per draft position) or "confidence" (each step's own drafts: the
+        drafter's probability of them, calibrated online against observed acceptance; drafting
+        stops early when more drafts cannot pay). Anything but "history" needs ``adaptive``;
+        "confidence" needs a model drafter ("draft", "mtp", "eagle", "eagle3").
 
     Method "none" stores ``num_draft_tokens=1`` and ``draft_sampling=False`` whatever is passed,
     so every plain-decoding config is equal and the baseline compiles once.
@@ -262,6 +268,7 @@ class SpecConfig:
     ngram_max: int = 3
     hybrid_min: int = 0  # 0 = no hybrid
     adaptive: bool = False
+    adaptive_by: str = "history"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -308,6 +315,14 @@ class SpecConfig:
         if self.adaptive and self.method == "eagle-tree":
             raise ValueError('SpecConfig.adaptive=True picks a chain length per step: not with '
                              'method="eagle-tree"')
+        if self.adaptive_by not in ADAPTIVE_SIGNALS:
+            raise ValueError(f"SpecConfig.adaptive_by must be one of {ADAPTIVE_SIGNALS}, got "
+                             f"{self.adaptive_by!r}")
+        if self.adaptive_by != "history" and not self.adaptive:
+            raise ValueError(f"SpecConfig.adaptive_by={self.adaptive_by!r} needs adaptive=True")
+        if self.adaptive_by == "confidence" and self.method not in ("draft", "mtp", "eagle", "eagle3"):
+            raise ValueError('SpecConfig.adaptive_by="confidence" needs a model drafter (method '
+                             f'"draft", "mtp", "eagle" or "eagle3"), got method={self.method!r}')
         if self.method == "none":
             if self.adaptive:
                 raise ValueError('SpecConfig.adaptive=True needs a speculative method, got '

@@ -1,15 +1,19 @@
 """The cost model of adaptive speculation, measured on the actual device at warm-up.
 
-``measure_costs`` times a plain one-token target step, a (k+1)-token verify and k draft steps
-for k = 1..K at the given batch bucket and context, and returns ``cost[k]`` =
-(verify(k+1) + drafting(k)) / decode(1) (``cost[0]`` = 1) and, last (``cost[K+1]``), the drafter's
-catch-up over the lag window after plain steps, relative to decode(1): the input of
+``measure_costs`` times the fused decode step the loop runs (draft, verify, accept, drafter
+catch-up, commit) with draft length k = 0..K at the given batch bucket and context, and returns
+``cost[k]`` = step(k) / step(0) (``cost[0]`` = 1, a plain one-token step), then ``cost[K+1]``,
+the drafter's catch-up over the lag window after plain steps, and ``cost[K+2]``, one draft step
+(a one-token draft forward; what confidence mode may leave unspent), relative to step(0).
+Timing the whole step, not its forwards, matters: on a 2-core CPU a k = 2 step costs ~0.11
+plain steps more than k = 1 in the loop, while the forwards alone differ by ~0.05. The input of
 ``specjax.adaptive.choose_k``. Results are cached per (model, draft, dtype, batch bucket,
 backend, method, K) in-process and in ``~/.cache/specjax/cost_model.json``. Host-side code
 (it times compiled programs): the decode loop itself only imports ``specjax.adaptive``.
 """
 
 from __future__ import annotations
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_COSTS: dict = {}  # in-process cache: key -> list of K+2 relative costs
+_COSTS: dict = {}  # in-process cache: key -> list of K+3 relative costs
 
 
 def _cache_file() -> str:
@@ -29,8 +33,8 @@ def _cache_file() -> str:
 
 def cost_key(target_cfg, draft_cfg, dtype, batch: int, method: str, kmax: int) -> str:
     """Cache key: the model and draft configs, dtype, batch bucket, backend, method and K."""
-    text = repr((target_cfg, draft_cfg, str(jnp.dtype(dtype)), batch, jax.default_backend(),
-                 jax.devices()[0].device_kind, method, kmax))
+    text = repr(("fused-step", target_cfg, draft_cfg, str(jnp.dtype(dtype)), batch,
+                 jax.default_backend(), jax.devices()[0].device_kind, method, kmax))
     return hashlib.sha1(text.encode()).hexdigest()
 
 
@@ -65,14 +69,55 @@ def _time(fn, *args, reps: int = 5) -> float:
     return best
 
 
+def _step_times(target_params, target_cfg, draft_params, draft_cfg, *, method: str, kmax: int,
+                batch: int, context: int, dtype, page_size: int, attn_impl: str,
+                reps: int = 25) -> list:
+    """[K+1] median seconds of one fused decode step with draft length k = 0..K (k = 0: a
+    plain step): the jitted step the loop runs (draft, verify, accept, drafter catch-up,
+    commit), on a state prefilled with ``context`` tokens, its buffers donated so the caches
+    stay in place as in the loop; ``reps`` rounds, each timing every k once (interleaved)."""
+    from specjax import kv_cache, speculate  # noqa: PLC0415
+    from specjax.config import SpecConfig  # noqa: PLC0415
+
+    lc = SpecConfig(method=method, num_draft_tokens=kmax, page_size=page_size, attn_impl=attn_impl)
+    out_len = (reps + 3) * (kmax + 1) + 1  # every token the timed steps can emit
+    per_seq = kv_cache.pages_needed(context + out_len + lc.extra_slots, page_size)
+    rp = speculate.RowParams(temperature=jnp.zeros((batch,), jnp.float32),
+                             top_k=jnp.zeros((batch,), jnp.int32),
+                             top_p=jnp.ones((batch,), jnp.float32),
+                             max_new=jnp.full((batch,), out_len, jnp.int32),
+                             eos_ids=jnp.full((1,), -1, jnp.int32))
+    prompts = jnp.tile(jnp.arange(context, dtype=jnp.int32) % 97 + 3, (batch, 1))
+    lens = jnp.full((batch,), context, jnp.int32)
+    prefill = jax.jit(lambda tp, dp: speculate.prefill(tp, target_cfg, dp, draft_cfg, prompts, lens,
+                                                       rp, 0, lc, per_seq, out_len, kv_dtype=dtype))
+    steps, states = [], []
+    for k in range(kmax + 1):
+        lck = SpecConfig(method="none") if k == 0 else dataclasses.replace(lc, num_draft_tokens=k)
+        steps.append(jax.jit(lambda tp, dp, st, lck=lck: speculate.spec_step(
+            tp, target_cfg, dp, draft_cfg, st, rp, lck), donate_argnums=2))
+        state = steps[k](target_params, draft_params, prefill(target_params, draft_params))
+        states.append(jax.block_until_ready(state))  # compiled and warm
+    times = [[] for _ in steps]
+    for _ in range(reps):  # interleaved, so drift in the machine's speed hits every k alike
+        for k, step in enumerate(steps):
+            t0 = time.perf_counter()
+            states[k] = jax.block_until_ready(step(target_params, draft_params, states[k]))
+            times[k].append(time.perf_counter() - t0)
+    times = [float(np.median(ts)) for ts in times]
+    return times
+
+
 def measure_costs(target_params, target_cfg, draft_params, draft_cfg, *, method: str, kmax: int,
                   batch: int, context: int, dtype, page_size: int = 16,
                   attn_impl: str = "reference") -> list:
-    """Relative costs [K+2] on this device, cached (module docstring): a k-step for k = 0..K,
-    then the drafter's catch-up after plain steps (one forward over the lag window; 0 for n-gram).
+    """Relative costs [K+3] on this device, cached (module docstring): a k-step for k = 0..K,
+    then the drafter's catch-up after plain steps (one forward over the lag window) and one
+    draft step (both 0 for n-gram).
 
-    Times the target forward over T = 1..K+1 tokens (with logits) after ``context`` cached
-    tokens, and the drafter's forwards over 1, K+1 and LAG_WINDOW tokens, at this batch size.
+    Times the fused decode step itself for k = 0..K (``_step_times``: what a step of the loop
+    costs, bookkeeping included) after ``context`` cached tokens, and the drafter's forwards
+    over 1 and LAG_WINDOW tokens, at this batch size.
     """
     from specjax import heads, kv_cache, speculate  # noqa: PLC0415
 
@@ -80,25 +125,16 @@ def measure_costs(target_params, target_cfg, draft_params, draft_cfg, *, method:
     if key in _COSTS:
         return _COSTS[key]
     stored = _load_file().get(key)
-    if stored is not None and len(stored) == kmax + 2:
+    if stored is not None and len(stored) == kmax + 3:
         _COSTS[key] = stored
         return stored
 
-    per_seq = kv_cache.pages_needed(context + max(kmax + 2, speculate.LAG_WINDOW + 1), page_size)
+    steps = _step_times(target_params, target_cfg, draft_params, draft_cfg, method=method,
+                        kmax=kmax, batch=batch, context=context, dtype=dtype, page_size=page_size,
+                        attn_impl=attn_impl)  # [K+1] seconds per fused step, k = 0..K
+    per_seq = kv_cache.pages_needed(context + speculate.LAG_WINDOW + 1, page_size)
     page_table = kv_cache.contiguous_page_table(batch, per_seq)
     start = jnp.full((batch,), context, jnp.int32)
-
-    def fwd_target(t):
-        kv = speculate.init_cache(target_cfg, batch * per_seq, page_size, dtype)
-
-        @jax.jit
-        def f(params, kv):
-            toks = jnp.zeros((batch, t), jnp.int32)
-            pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-            logits, _, kv = speculate.forward(params, target_cfg, toks, pos, kv, page_table, start,
-                                              attn_impl=attn_impl)
-            return logits, kv
-        return _time(f, target_params, kv)
 
     def fwd_draft(t):
         if method == "draft":
@@ -124,21 +160,12 @@ def measure_costs(target_params, target_cfg, draft_params, draft_cfg, *, method:
             return heads.head_logits(params, draft_cfg, tparams, target_cfg, hh[:, -1]), kv
         return _time(g, draft_params, target_params, kv)
 
-    verify = [fwd_target(t) for t in range(1, kmax + 2)]
-    catch_up = 0.0  # n-gram drafting has no drafter to catch up
+    catch_up = draft_step = 0.0  # n-gram drafting has no drafter
     if method in ("draft", "mtp", "eagle", "eagle3"):
-        d1, dk = fwd_draft(1), fwd_draft(kmax + 1)
-        d2 = fwd_draft(2) if method == "draft" else None
-        catch_up = fwd_draft(speculate.LAG_WINDOW) / verify[0]
-    costs = [1.0]
-    for k in range(1, kmax + 1):
-        c = verify[k]
-        if method == "draft":  # k-1 rollout steps + a two-token catch-up
-            c += (k - 1) * d1 + d2
-        elif method in ("mtp", "eagle", "eagle3"):  # k-1 rollout steps + a (k+1)-token re-run
-            c += (k - 1) * d1 + d1 + (dk - d1) * k / kmax
-        costs.append(float(c / verify[0]))
-    costs = [float(x) for x in np.maximum(costs, 1e-3)] + [float(catch_up)]
+        catch_up = fwd_draft(speculate.LAG_WINDOW) / steps[0]
+        draft_step = fwd_draft(1) / steps[0]
+    costs = [float(x) for x in np.maximum(np.asarray(steps) / steps[0], 1e-3)]
+    costs = costs + [float(catch_up), float(draft_step)]
     _COSTS[key] = costs
     _store_file(key, costs)
     return costs

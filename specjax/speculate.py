@@ -52,6 +52,11 @@ the whole backlog (one W-token forward instead of one forward per plain step) wh
 speculates, or when the window fills (then the newest position stays pending, so no lm_head is
 computed for logits that would be stale again a step later).
 
+With ``adaptive_by="confidence"`` the choice follows each step's own drafts instead: the drafter
+is caught up first (its carried logits must be fresh), drafts are made one at a time while one
+more can pay (a while_loop; specjax.adaptive.extend), and k in {0..drafted} is picked from the
+drafts' calibrated confidence; the chosen variant verifies the drafts already made.
+
 Drafting is a function per method (``_DRAFTERS``: tokens, optional q, the drafter's cache);
 ``_chain_step`` verifies and accepts whatever it proposes; ``_plain_step`` / ``_commit`` are
 shared by every path.
@@ -124,8 +129,9 @@ class DecodeState:
     # adaptive k (SpecConfig.adaptive; specjax.adaptive):
     acc_hits: jax.Array | None = None  # [K] float32 decayed accepted counts per draft position
     acc_obs: jax.Array | None = None  # [K] float32 decayed reached counts per draft position
+    # (adaptive_by="confidence": [K, NB] per position and confidence bin, the calibration table)
     plain_run: jax.Array | None = None  # [] int32 consecutive steps that drafted nothing
-    cost: jax.Array | None = None  # [K+1(+1)] float32 k-step costs (+ catch-up; adaptive)
+    cost: jax.Array | None = None  # [K+1..K+3] float32 k-step costs (+ catch-up, draft step)
     k_hist: jax.Array | None = None  # [K+1] int32 steps that chose each k
     # lazy drafter upkeep over plain steps (adaptive, methods with a drafter; module docstring):
     lag: jax.Array | None = None  # [B] int32 pending drafter positions (draft_logits stale if > 0)
@@ -247,7 +253,7 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
     Args:
       tokens: [B, Tp] int32 right-padded prompts; prompt_lens: [B] int32 (>= 1).
       seed: [] int32; row b's stream is fold_in(key(seed), b).
-      cost: [K+1] float32 relative cost of a k-step (adaptive only; specjax.adaptive).
+      cost: [K+1..K+3] float32 relative k-step costs (adaptive only; specjax.cost_model).
       lag_window: static W of the lazy drafter upkeep (adaptive only).
     Returns:
       the initial DecodeState (the first generated token is already in out_tokens).
@@ -291,15 +297,13 @@ def prefill(target_params, target_cfg, draft_params, draft_cfg, tokens, prompt_l
     if lc.adaptive:
         kk = lc.k_eff
         if cost is None:
-            raise ValueError("adaptive speculation needs the cost model (cost=[K+1] or [K+2] array)")
+            raise ValueError("adaptive speculation needs the cost model (cost=[K+1..K+3] array)")
         cost = jnp.asarray(cost, jnp.float32).reshape(-1)
-        if cost.shape[0] not in (kk + 1, kk + 2):
-            raise ValueError(f"cost must have K+1 = {kk + 1} or K+2 entries, got {cost.shape[0]}")
+        if cost.shape[0] not in (kk + 1, kk + 2, kk + 3):
+            raise ValueError(f"cost must have K+1 = {kk + 1}, K+2 or K+3 entries, got {cost.shape[0]}")
         extra = init_lag(lc, draft_cfg, b, lag_window, kv_dtype)
         state = dataclasses.replace(
-            state, acc_hits=jnp.zeros((kk,), jnp.float32), acc_obs=jnp.zeros((kk,), jnp.float32),
-            plain_run=jnp.zeros((), jnp.int32), cost=cost, k_hist=jnp.zeros((kk + 1,), jnp.int32),
-            **extra)
+            state, cost=cost, **adaptive.init_counts(kk, lc.adaptive_by == "confidence"), **extra)
     out, num_out, done = _emit(state, first[:, None], jnp.ones((b,), jnp.int32), rp)
     return dataclasses.replace(state, out_tokens=out, num_out=num_out, done=done)
 
@@ -527,8 +531,9 @@ def _plain_step(target_params, target_cfg, draft_params, draft_cfg, state: Decod
 
 
 def _chain_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
-                rp: RowParams, lc: SpecConfig):
-    """One chain step: draft (per method), verify k+1 tokens, accept, catch up the drafter.
+                rp: RowParams, lc: SpecConfig, drafts: "Drafts | None" = None):
+    """One chain step: draft (per method, unless ``drafts`` holds this step's k drafts already),
+    verify k+1 tokens, accept, catch up the drafter.
 
     Returns (state, a [B] accepted drafts, drafted [B] drafts proposed per row).
     """
@@ -537,7 +542,8 @@ def _chain_step(target_params, target_cfg, draft_params, draft_cfg, state: Decod
     k = lc.k_eff
     active = ~state.done
     acc_keys = _step_keys(state.row_keys, state.step, 2)
-    dr = _DRAFTERS[lc.method](target_params, target_cfg, draft_params, draft_cfg, state, rp, lc)
+    dr = drafts if drafts is not None else _DRAFTERS[lc.method](
+        target_params, target_cfg, draft_params, draft_cfg, state, rp, lc)
     d, draft_kv = dr.tokens, dr.draft_kv
     verify_tokens = jnp.concatenate([state.last_token[:, None], d], axis=1)  # [B, K+1]
     positions = (n - 1)[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
@@ -635,6 +641,133 @@ def _adaptive_step(target_params, target_cfg, draft_params, draft_cfg, state: De
             a, drafted)
 
 
+def _confident_rollout(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
+                       rp: RowParams, lc: SpecConfig):
+    """Drafts up to K tokens, stopping as soon as one more cannot pay (adaptive.extend).
+
+    d_1 comes from the carried logits; each further draft costs one drafter forward, taken only
+    while ``adaptive.extend`` says so (a while_loop: no forward is spent past the stop). Rows
+    with a hybrid n-gram match keep their whole proposal (no forward needed for it). Drafts are
+    picked exactly as ``_draft_rollout`` picks them (argmax, or a sample from q with the same
+    keys), so the verified tokens do not depend on where drafting stopped.
+
+    Returns (Drafts with [B, K] tokens (entries past ``drafted`` unused), bins [B, K] int32
+    calibration-table columns, alpha [B, K] acceptance estimates, drafted [] int32 in [1, K]).
+    """
+    b, kmax = state.lengths.shape[0], lc.k_eff
+    n = state.lengths
+    active = ~state.done
+    keys = _step_keys(state.row_keys, state.step, 1)
+    vocab = state.draft_logits.shape[-1]
+
+    def pick(logits, i):  # -> d [B], q [B, V] or None, confidence [B] (of q, not of d)
+        if not lc.draft_sampling:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None, adaptive.max_prob(logits)
+        q = _process(logits, rp)
+        ki = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)
+        # max_v q(v), not q(d): choosing k by the sampled token's own probability would bias
+        # which drafts get verified, and the acceptance rule would no longer be exact.
+        return sampling.sample(ki, q), q, jnp.max(q, axis=-1)
+
+    from_ngram = jnp.zeros((b,), bool)
+    ng = jnp.zeros((b, kmax), jnp.int32)
+    if lc.hybrid_min > 0:
+        ng, match_len = ngram.propose(state.history, n, kmax, lc.ngram_min, lc.ngram_max)
+        from_ngram = match_len >= max(lc.hybrid_min, lc.ngram_min)
+    head_rows = active & ~from_ngram
+
+    d1, q1, c1 = pick(state.draft_logits, 0)
+    tokens = jnp.zeros((b, kmax), jnp.int32).at[:, 0].set(d1)
+    conf = jnp.zeros((b, kmax), jnp.float32).at[:, 0].set(c1)
+    probs = None if q1 is None else jnp.zeros((b, kmax, vocab), q1.dtype).at[:, 0].set(q1)
+    feat0 = state.head_hidden if lc.uses_head else jnp.zeros((b, 1), jnp.float32)
+
+    def alpha_of(conf):
+        return adaptive.calibrated(state.acc_hits, state.acc_obs,
+                                   adaptive.confidence_bins(conf, from_ngram))
+
+    def go_on(carry):
+        i, _, _, _, _, conf, _ = carry
+        return jnp.any(head_rows) & adaptive.extend(state.acc_hits, state.acc_obs, alpha_of(conf),
+                                                   i, active, from_ngram, state.cost)
+
+    def body(carry):  # draft d_{i+1} from d_i (i drafted so far)
+        i, kv, logits, feat, tokens, conf, probs = carry
+        d = tokens[:, i - 1]
+        if lc.uses_head:  # head position n-2+i fed its own previous output
+            pos = n - 2 + i
+            hh, kv = heads.head_forward(draft_params, draft_cfg, target_params, d[:, None],
+                                        feat[:, None], pos[:, None], kv, state.page_table, pos,
+                                        attn_impl=lc.attn_impl)
+            feat = hh[:, 0]
+            logits = heads.head_logits(draft_params, draft_cfg, target_params, target_cfg, feat)
+        else:
+            pos = n + i - 1
+            logits, _, kv = forward(draft_params, draft_cfg, d[:, None], pos[:, None], kv,
+                                    state.page_table, pos, attn_impl=lc.attn_impl)
+            logits = logits[:, 0]
+        d, q, c = pick(logits, i)
+        tokens = tokens.at[:, i].set(d)
+        conf = conf.at[:, i].set(c)
+        if probs is not None:
+            probs = probs.at[:, i].set(q)
+        return i + 1, kv, logits, feat, tokens, conf, probs
+
+    i, kv, _, _, tokens, conf, probs = lax.while_loop(
+        go_on, body, (jnp.ones((), jnp.int32), state.draft_kv, state.draft_logits, feat0, tokens,
+                      conf, probs))
+    drafted = jnp.where(jnp.any(head_rows), i, kmax)  # n-gram rows alone: the whole proposal
+    tokens = jnp.where(from_ngram[:, None], ng, tokens)
+    if probs is not None:  # point masses for the n-gram rows
+        probs = jnp.where(from_ngram[:, None, None], jax.nn.one_hot(tokens, vocab, dtype=probs.dtype),
+                          probs)
+    bins = adaptive.confidence_bins(conf, from_ngram)
+    alpha = adaptive.calibrated(state.acc_hits, state.acc_obs, bins)
+    dr = Drafts(tokens=tokens, probs=probs, draft_kv=kv, proposing=jnp.ones((b,), bool),
+                from_ngram=from_ngram if lc.hybrid_min > 0 else None)
+    return dr, bins, alpha, drafted
+
+
+def _confident_step(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
+                    rp: RowParams, lc: SpecConfig):
+    """Adaptive k by the drafts' own confidence (adaptive_by="confidence"; specjax.adaptive):
+    catch a lagging drafter up (its logits must be fresh), draft until one more draft cannot
+    pay, pick k in {0..drafted} from the calibrated estimates, and run that compiled variant
+    on the drafts already made (k = 0: a plain step).
+
+    Returns (state, a [B], drafted [B])."""
+    kmax = lc.k_eff
+    active = ~state.done
+    state = control.cond(jnp.any((state.lag > 0) & active),
+                         lambda s: _catch_up_state(target_params, target_cfg, draft_params,
+                                                   draft_cfg, s, lc, keep=0),
+                         state)
+    dr, bins, alpha, n_drafted = _confident_rollout(target_params, target_cfg, draft_params,
+                                                    draft_cfg, state, rp, lc)
+    k = adaptive.choose_confident(alpha, active, n_drafted, state.cost, state.plain_run)
+    fixed = dataclasses.replace(lc, adaptive=False, adaptive_by="history")
+
+    def variant(kv):
+        def run(s):
+            probs = None if dr.probs is None else dr.probs[:, :kv]
+            d = dataclasses.replace(dr, tokens=dr.tokens[:, :kv], probs=probs)
+            return _chain_step(target_params, target_cfg, draft_params, draft_cfg, s, rp,
+                               dataclasses.replace(fixed, num_draft_tokens=kv), drafts=d)
+        return run
+
+    branches = [lambda s: _plain_step(target_params, target_cfg, draft_params, draft_cfg, s, rp,
+                                      fixed)]
+    branches += [variant(kv) for kv in range(1, kmax + 1)]
+    # The rollout's cache writes sit at or past the committed length: stale, overwritten later.
+    new, a, drafted = _switch_steps(k, branches, dataclasses.replace(state, draft_kv=dr.draft_kv))
+    k_used = jnp.max(jnp.where(active, drafted, 0))
+    hits, obs, plain_run = adaptive.update_table(state.acc_hits, state.acc_obs, state.plain_run,
+                                                 bins, a, k_used, active & (drafted > 0))
+    return (dataclasses.replace(new, acc_hits=hits, acc_obs=obs, plain_run=plain_run,
+                                k_hist=state.k_hist.at[k].add(1)),
+            a, drafted)
+
+
 def spec_step_counted(target_params, target_cfg, draft_params, draft_cfg, state: DecodeState,
                       rp: RowParams, lc: SpecConfig):
     """One fused speculative (or plain) decoding step for the whole batch.
@@ -645,7 +778,10 @@ def spec_step_counted(target_params, target_cfg, draft_params, draft_cfg, state:
     args = (target_params, target_cfg, draft_params, draft_cfg, state, rp, lc)
     if lc.method == "eagle-tree":
         return _tree_step(*args), jnp.where(state.done, 0, lc.k_eff).astype(jnp.int32)
-    new, _, drafted = (_adaptive_step if lc.adaptive else _fixed_step)(*args)
+    step = _fixed_step
+    if lc.adaptive:
+        step = _confident_step if lc.adaptive_by == "confidence" else _adaptive_step
+    new, _, drafted = step(*args)
     return new, jnp.where(state.done, 0, drafted).astype(jnp.int32)
 
 
@@ -736,6 +872,8 @@ def _generate_device(target_params, draft_params, tokens, prompt_lens, rp, seed,
     extra = {"drafted": state.drafted}
     if state.k_hist is not None:
         extra["k_hist"] = state.k_hist
+    if lc.adaptive and lc.adaptive_by == "confidence":  # the calibration table at the end
+        extra["table"] = (state.acc_hits, state.acc_obs)
     return (state.out_tokens, state.num_out, state.accepted_per_pos, state.row_steps, state.step,
             extra)
 

@@ -1,7 +1,7 @@
-"""N-gram (prompt lookup) drafting, the hybrid drafter and adaptive k: search parity with a
-plain-Python reference, greedy losslessness (ragged rows, EOS at different steps), the carried
-draft state after hybrid / plain steps, exact sampled distributions, the no-match fallback and
-bad input."""
+"""N-gram (prompt lookup) drafting, the hybrid drafter and adaptive k (by recent acceptance and
+by the drafts' confidence): search parity with a plain-Python reference, greedy losslessness
+(ragged rows, EOS at different steps), the carried draft state after hybrid / plain steps, exact
+sampled distributions, the no-match fallback and bad input."""
 
 import functools
 
@@ -293,10 +293,11 @@ def test_ngram_biased_rule_fails_distribution_test(dist_pair, monkeypatch):
     assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0)) < ALPHA
 
 
-def test_adaptive_distribution_matches_target(dist_pair, fixed_costs):
+@pytest.mark.parametrize("by", ["history", "confidence"])
+def test_adaptive_distribution_matches_target(dist_pair, fixed_costs, by):
     target, draft = dist_pair
     cells, out = _first3(target, method="draft", draft=draft, adaptive=True, draft_sampling=True,
-                         hybrid_min=1)
+                         hybrid_min=1, adaptive_by=by)
     assert out.stats["k_histogram"][2] > 0
     assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0)) > ALPHA
 
@@ -393,6 +394,127 @@ def test_adaptive_probes_a_losing_draft_on_schedule():
     assert rate > 0.97, rate
 
 
+# ------------------------------------------------------------------ adaptive by confidence
+
+COSTS = jnp.asarray([1.0, 1.1, 1.2, 1.3, 0.05, 0.02])  # k = 0..3, catch-up, one draft step
+
+
+def test_choose_confident_follows_the_drafts_confidence():
+    run0 = jnp.zeros((), jnp.int32)
+    one = jnp.ones((1,), bool)
+    sure, lost = jnp.full((1, 3), 0.99), jnp.full((1, 3), 0.01)
+    assert int(adaptive.choose_confident(sure, one, 3, COSTS, run0)) == 3
+    assert int(adaptive.choose_confident(sure, one, 2, COSTS, run0)) == 2  # only 2 drafted
+    assert int(adaptive.choose_confident(lost, one, 3, COSTS, run0)) == 0  # plain step
+    # sure of the first draft only: k = 1
+    assert int(adaptive.choose_confident(jnp.asarray([[0.95, 0.01, 0.01]]), one, 3, COSTS, run0)) == 1
+    # a probe is due: draft even when lost
+    due = jnp.asarray(adaptive.PROBE_EVERY, jnp.int32)
+    assert int(adaptive.choose_confident(lost, one, 3, COSTS, due)) >= 1
+    # rows that are done do not count: a lost active row next to a sure finished one
+    two = jnp.asarray([True, False])
+    assert int(adaptive.choose_confident(jnp.concatenate([lost, sure]), two, 3, COSTS, run0)) == 0
+
+
+def test_extend_stops_drafting_when_more_cannot_pay():
+    k = 3
+    nb = adaptive.NUM_BINS + 1
+    good = jnp.full((k, nb), 50.0)  # every reached draft was accepted
+    bad = jnp.zeros((k, nb))
+    obs = jnp.full((k, nb), 50.0)
+    one, no = jnp.ones((1,), bool), jnp.zeros((1,), bool)
+    sure = jnp.full((1, k), 0.99)
+    assert bool(adaptive.extend(good, obs, sure, 1, one, no, COSTS))
+    assert not bool(adaptive.extend(bad, obs, sure, 1, one, no, COSTS))  # later drafts never pass
+    assert not bool(adaptive.extend(good, obs, jnp.full((1, k), 0.01), 1, one, no, COSTS))
+    assert not bool(adaptive.extend(good, obs, sure, k, one, no, COSTS))  # K drafted: done
+    # an n-gram row's next draft is known: its own estimate decides, not the pooled table
+    assert bool(adaptive.extend(bad, obs, sure, 1, one, jnp.ones((1,), bool), COSTS))
+
+
+def test_calibration_table_learns_acceptance_per_bin():
+    k, nb = 2, adaptive.NUM_BINS + 1
+    hits, obs = jnp.zeros((k, nb)), jnp.zeros((k, nb))
+    run = jnp.zeros((), jnp.int32)
+    conf = jnp.asarray([[0.95, 0.95], [0.15, 0.15]])  # a confident row, an unsure one
+    bins = adaptive.confidence_bins(conf)
+    np.testing.assert_array_equal(bins, [[9, 9], [1, 1]])
+    np.testing.assert_allclose(adaptive.calibrated(hits, obs, bins), [[0.95, 0.95], [0.15, 0.15]])
+    for _ in range(200):  # the confident row accepts nothing, the unsure one everything
+        hits, obs, run = adaptive.update_table(hits, obs, run, bins, jnp.asarray([0, 2]),
+                                               jnp.asarray(2), jnp.ones((2,), bool))
+    alpha = np.asarray(adaptive.calibrated(hits, obs, bins))
+    assert alpha[0, 0] < 0.1 and alpha[1, 0] > 0.9 and alpha[1, 1] > 0.9, alpha
+    assert float(obs[1, 9]) == 0.0  # the confident row never reached its second draft
+    ngram_bins = adaptive.confidence_bins(conf, jnp.asarray([True, False]))
+    assert int(ngram_bins[0, 0]) == adaptive.NUM_BINS and int(ngram_bins[1, 0]) == 1
+
+
+@pytest.mark.parametrize("method", ["draft", pytest.param("mtp", marks=pytest.mark.slow)])
+def test_confident_greedy_lossless(tiny_pair, plain, fixed_costs, method):
+    """k chosen per step from the drafts' confidence: every output equals plain greedy (rows
+    stop at different steps), and the steps cover several k."""
+    target, draft = tiny_pair
+    eos = _eos_for_staggered_stops(plain)
+    want = [row[: row.index(eos) + 1] if eos in row else row for row in plain]
+    draft = _mtp_head(target) if method == "mtp" else draft
+    out = sj.generate(target, PROMPTS, max_new_tokens=40, draft=draft, method=method,
+                      num_draft_tokens=K, adaptive=True, adaptive_by="confidence",
+                      hybrid_min=2 if method == "mtp" else 0, eos_token_id=eos)
+    assert out.tokens == want
+    hist = out.stats["k_histogram"]
+    assert len(hist) == K + 1 and sum(hist) == out.stats["steps"]
+    assert sum(c > 0 for c in hist) >= 2, hist
+    table = np.asarray(out.stats["calibration"]["reached"])
+    assert table.shape == (K, adaptive.NUM_BINS + 1) and table.sum() > 0
+
+
+@pytest.mark.parametrize("where", ["loop", pytest.param("engine", marks=pytest.mark.slow)])
+def test_confident_self_draft_accepts_everything(tiny_pair, fixed_costs, where):
+    """The target as its own draft: every draft it verifies is accepted, the table learns that,
+    and the steps move to the longest chain."""
+    target, _ = tiny_pair
+    prompts = PROMPTS[:2]
+    want = sj.generate(target, prompts, max_new_tokens=60, eos_token_id=[]).tokens
+    spec = sj.SpecConfig(method="draft", num_draft_tokens=K, page_size=4, adaptive=True,
+                         adaptive_by="confidence")
+    if where == "loop":
+        out = sj.generate(target, prompts, max_new_tokens=60, draft=target, spec=spec,
+                          eos_token_id=[])
+        assert out.tokens == want
+        s = out.stats
+        hist, drafted = s["k_histogram"], s["drafted_tokens"]
+        accepted = (s["mean_accepted_length"] - 1) * s["row_steps"]
+    else:
+        from specjax.engine import Engine, EngineConfig, RequestParams
+        engine = Engine(target, target, EngineConfig(spec, max_slots=2, batch_buckets=(2,),
+                                                     token_buckets=(8,), max_model_len=128))
+        handles = [engine.submit(p, RequestParams(max_tokens=60, stop_token_ids=())) for p in prompts]
+        engine.run()
+        assert [h.result() for h in handles] == want
+        s = engine.stats()
+        hist = s["k_histogram"]
+        drafted, accepted = s["spec_decode_num_draft_tokens"], s["spec_decode_num_accepted_tokens"]
+    assert drafted > 0 and hist[K] > hist[1] + hist[2], hist
+    assert accepted >= drafted - K * len(prompts), (accepted, drafted)
+
+
+def test_cost_model_times_the_fused_steps(tiny_pair, monkeypatch, tmp_path):
+    """The measured cost vector: a plain step is the unit, one entry per k, then the catch-up and
+    one draft step; cached in memory and on disk under SPECJAX_CACHE_DIR."""
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cost_model, "_COSTS", {})
+    target, draft = tiny_pair
+    kw = dict(method="draft", kmax=2, batch=1, context=8, dtype=jnp.float32)
+    costs = cost_model.measure_costs(target.params, target.config, draft.params, draft.config, **kw)
+    assert len(costs) == 2 + 3 and costs[0] == 1.0
+    assert all(np.isfinite(c) and c > 0 for c in costs), costs
+    assert (tmp_path / "cost_model.json").exists()
+    monkeypatch.setattr(cost_model, "_step_times", None)  # a second call must not re-measure
+    assert cost_model.measure_costs(target.params, target.config, draft.params, draft.config,
+                                    **kw) == costs
+
+
 # ----------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("kw,match", [
@@ -404,6 +526,9 @@ def test_adaptive_probes_a_losing_draft_on_schedule():
     (dict(method="draft", hybrid_min=5), "hybrid_min"),
     (dict(method="none", adaptive=True), "adaptive"),
     (dict(method="eagle-tree", adaptive=True), "adaptive"),
+    (dict(method="draft", adaptive=True, adaptive_by="recent"), "adaptive_by"),
+    (dict(method="draft", adaptive_by="confidence"), "adaptive_by"),
+    (dict(method="ngram", adaptive=True, adaptive_by="confidence"), "adaptive_by"),
 ])
 def test_bad_settings_raise(tiny_pair, kw, match):
     target, draft = tiny_pair

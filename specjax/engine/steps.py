@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import control, kv_cache, ngram, registry, sampling, speculate
+from specjax import adaptive, control, kv_cache, ngram, registry, sampling, speculate
 from specjax.config import SpecConfig
 from specjax.model import lm_head
 from specjax.registry import forward
@@ -81,8 +81,8 @@ class SlotState:
     head_hidden: jax.Array | None  # [S+1, E] head output at position n-2 (MTP / EAGLE)
     history: jax.Array | None = None  # [S+1, L] int32 x_0..x_{n-1} per slot (n-gram drafting)
     # adaptive k (one running estimate for the engine; speculate.DecodeState has the meaning):
-    acc_hits: jax.Array | None = None  # [K] float32
-    acc_obs: jax.Array | None = None  # [K] float32
+    acc_hits: jax.Array | None = None  # [K] float32 ([K, NB] adaptive_by="confidence")
+    acc_obs: jax.Array | None = None  # [K] float32 (same)
     plain_run: jax.Array | None = None  # [] int32
     k_hist: jax.Array | None = None  # [K+1] int32
     lag: jax.Array | None = None  # [S+1] int32 pending drafter positions (lazy upkeep)
@@ -108,8 +108,7 @@ def init_state(target_cfg, draft_cfg, sc: StepConfig, num_pages: int, dtype) -> 
         extra["history"] = jnp.zeros((s1, sc.history_len), jnp.int32)
     if lc.adaptive:
         kk = lc.k_eff
-        extra.update(acc_hits=jnp.zeros((kk,), jnp.float32), acc_obs=jnp.zeros((kk,), jnp.float32),
-                     plain_run=jnp.zeros((), jnp.int32), k_hist=jnp.zeros((kk + 1,), jnp.int32))
+        extra.update(adaptive.init_counts(kk, lc.adaptive_by == "confidence"))
         extra.update(speculate.init_lag(lc, draft_cfg, s1, speculate.LAG_WINDOW, dtype))
     return SlotState(target_kv=target_kv, draft_kv=draft_kv, lengths=jnp.ones((s1,), jnp.int32),
                      last_token=jnp.zeros((s1,), jnp.int32), draft_logits=draft_logits,
@@ -260,7 +259,7 @@ def _spec_decode(target_params, draft_params, state: SlotState, meta, cost=None,
                  draft_cfg, sc: StepConfig):
     """Decode-only speculative step (speculate.spec_step on the gathered rows).
 
-    cost: [K+1] float32 relative k-step costs at this batch bucket (adaptive k only).
+    cost: [K+1..K+3] float32 relative k-step costs at this batch bucket (adaptive k only).
 
     Returns (state, emitted [B, K+1] int32, counts [B] int32, drafted [B] int32): row b emitted
     ``emitted[b, :counts[b]]`` (accepted drafts then the residual / bonus token) after proposing

@@ -52,7 +52,8 @@ def compile_counter() -> CompileCounter:
     return _COMPILES
 
 
-def make_engine_config(*, method: str, num_draft_tokens: int, adaptive: bool = False, tree=None,
+def make_engine_config(*, method: str, num_draft_tokens: int, adaptive: bool = False,
+                       adaptive_by: str = "history", tree=None,
                        max_slots: int = 8, max_model_len: int = 2048, num_pages: int | None = None,
                        page_size: int = 16, batch_buckets: tuple | None = None,
                        token_buckets: tuple = (16, 64), attn_impl: str = "reference",
@@ -63,7 +64,8 @@ def make_engine_config(*, method: str, num_draft_tokens: int, adaptive: bool = F
     without a speculative method.
     """
     spec = SpecConfig(method=method, num_draft_tokens=num_draft_tokens, tree=tree,
-                      attn_impl=attn_impl, page_size=page_size, adaptive=adaptive)
+                      attn_impl=attn_impl, page_size=page_size, adaptive=adaptive,
+                      adaptive_by=adaptive_by)
     return EngineConfig(spec=spec, max_slots=max_slots, max_model_len=max_model_len,
                         num_pages=num_pages, batch_buckets=batch_buckets,
                         token_buckets=tuple(token_buckets), seed=seed)
