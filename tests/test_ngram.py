@@ -513,6 +513,17 @@ def test_cost_model_times_the_fused_steps(tiny_pair, monkeypatch, tmp_path):
     monkeypatch.setattr(cost_model, "_step_times", None)  # a second call must not re-measure
     assert cost_model.measure_costs(target.params, target.config, draft.params, draft.config,
                                     **kw) == costs
+    # a noisy first timing (k = 2 cheaper than k = 1) is timed again, and kept monotone in k
+    monkeypatch.setattr(cost_model, "_COSTS", {})
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "other"))
+    calls = []
+
+    def times(*args, reps=25, **kw):
+        calls.append(reps)
+        return [1.0, 1.3, 1.2] if len(calls) == 1 else [1.0, 1.25, 1.22]
+    monkeypatch.setattr(cost_model, "_step_times", times)
+    costs = cost_model.measure_costs(target.params, target.config, draft.params, draft.config, **kw)
+    assert calls == [25, 50] and costs[:3] == [1.0, 1.25, 1.25]
 
 
 # ----------------------------------------------------------------------------- bad input
