@@ -156,28 +156,48 @@ print("draft_logits", dl.shape, f"top-1 agreement with the target on the prompt:
 def nb02():
     return [
         new_markdown_cell("# 02 — Train a head, watch accuracy and acceptance\n\n"
-                          "Part 1 plots the logged training of the shipped MTP head (RMSNorms "
-                          "restored) next to the EAGLE-1 arm of the norm ablation (no norms). "
+                          "Part 1 reads the best-accepting shipped EAGLE-3 head: its training "
+                          "log, its held-out top-1, and its mean accepted length per domain on "
+                          "held-out broad prompts, next to the first MTP head's log. "
                           "Part 2 trains a fresh MTP head live on a small self-distilled set and "
                           "measures acceptance by running speculative decoding at checkpoints."),
         new_code_cell(SETUP),
-        new_markdown_cell("## Part 1 — the shipped head's training log"),
+        new_markdown_cell("## Part 1 — the shipped head: training log and held-out acceptance per domain"),
         new_code_cell('''def read_log(path):
     with open(path) as f:
         return [json.loads(l) for l in f if l.strip()]
 
-logs = {name: read_log(os.path.join(ROOT, "notebooks/data", f"{name}.log.jsonl"))
-        for name in ("mtp-norms", "eagle-nonorms") if os.path.exists(os.path.join(ROOT, "notebooks/data", f"{name}.log.jsonl"))}
+HEAD = "smollm2-eagle3-broad47-r1"   # the best-accepting shipped EAGLE-3 head (checkpoints/README.md)
+report = json.load(open(os.path.join(ROOT, "checkpoints", HEAD, "report.json")))
+logs = {f"{HEAD} ({report['train_answer_tokens']:,} answer tokens)":
+            read_log(os.path.join(ROOT, "notebooks/data", f"{HEAD}.log.jsonl")),
+        "smollm2-mtp (first head, 166k tokens)": read_log(os.path.join(ROOT, "notebooks/data", "mtp-norms.log.jsonl"))}
 fig, ax = plt.subplots(1, 2, figsize=(11, 3.5))
 for name, rows in logs.items():
-    ax[0].plot([r["step"] for r in rows], [r["top1"] for r in rows], label=name)
-    ax[1].semilogy([r["step"] for r in rows], [r["cls"] for r in rows], label=name)
-ax[0].set(xlabel="step", ylabel="top-1 agreement with target (train batch)"); ax[0].legend()
-ax[1].set(xlabel="step", ylabel="soft cross-entropy vs target"); ax[1].legend()
+    ax[0].plot([r["step"] for r in rows], [r["top1"] for r in rows], label=name, lw=0.8)
+    ax[1].semilogy([r["step"] for r in rows], [r["cls"] for r in rows], label=name, lw=0.8)
+ax[0].axhline(report["held_out"]["all"]["top1"], color="k", ls=":", label=f"{HEAD}: held-out top-1")
+ax[0].set(xlabel="step", ylabel="top-1 agreement with target"); ax[0].legend(fontsize=7)
+ax[1].set(xlabel="step", ylabel="soft cross-entropy vs target (train batch)"); ax[1].legend(fontsize=7)
 plt.tight_layout(); plt.show()
-report = json.load(open(os.path.join(ROOT, "checkpoints/smollm2-mtp/report.json")))
-print("shipped MTP head, held-out:", report["held_out"])
-print("acceptance (8 held-out prompts, greedy):", report["acceptance"])'''),
+print(HEAD, "fine-tuned from", report.get("init_from"), "| held-out top-1 (teacher-forced):",
+      {k: round(v["top1"], 3) for k, v in report["held_out"].items()})'''),
+        new_code_cell('''# real decoding on held-out prompts of every domain (benchmarks/eval_domains.py; greedy, identical to plain)
+dom = json.load(open(os.path.join(ROOT, "benchmarks/results", f"domains_{HEAD}.json")))
+arms = list(dom["results"])                       # e.g. k=1, k=3, tree 5/4/16
+domains = [d for d in dom["results"][arms[0]] if d != "all"]
+fig, ax = plt.subplots(figsize=(11, 3.5))
+w = 0.8 / len(arms)
+for i, arm in enumerate(arms):
+    ax.bar(np.arange(len(domains)) + i * w, [dom["results"][arm][d]["mean_accepted_length"] for d in domains],
+           w, label=f"{arm}: all {dom['results'][arm]['all']['mean_accepted_length']:.2f}")
+ax.axhline(1.0, color="k", lw=0.5)
+ax.set_xticks(np.arange(len(domains)) + 0.4 - w / 2, domains, rotation=30)
+ax.set(ylabel="mean accepted tokens / step", ylim=(0.9, None),
+       title=f"{HEAD}: {dom['prompts_per_domain']} held-out prompts per domain, {dom['max_new_tokens']} tokens")
+ax.legend(fontsize=8); plt.tight_layout(); plt.show()
+for arm in arms:
+    print(arm, "per position:", dom["results"][arm]["all"]["per_position_acceptance"])'''),
         new_markdown_cell("## Part 2 — a live training run\nSelf-distillation: the target answers "
                           "chat prompts built from the *train* split of the offline Wikipedia "
                           "intros; its hidden states over prompt + answer are the training data. "
@@ -248,9 +268,9 @@ ax[1].plot([c[0] for c in curve], [c[2][0] for c in curve], "s--", label="accept
 ax[1].set(xlabel="step", title="acceptance on held-out prompts (real decoding)"); ax[1].legend()
 plt.tight_layout(); plt.show()'''),
         new_markdown_cell("A few minutes of CPU training on a few thousand tokens moves acceptance "
-                          "off zero; the shipped head (400 steps, 166k tokens) reaches ~0.47 "
-                          "teacher-forced top-1. `specjax train-head` runs the full, resumable "
-                          "pipeline (checkpoints/README.md)."),
+                          "off zero. The shipped heads come from `specjax train-head`, the full, "
+                          "resumable pipeline (corpus shards, hidden states, orbax checkpoints; "
+                          "exact commands in checkpoints/README.md)."),
     ]
 
 

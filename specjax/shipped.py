@@ -20,12 +20,15 @@ SHIPPED_FOR = "smollm2-135m"  # the target (``Model.source``) the shipped drafts
 KINDS = ("mtp", "eagle", "eagle3", "draft")
 # (folder name, draft kind), best first: within a kind the first present one is used. Without a
 # fastest.json entry the default draft is the first present one overall: smollm2-mtp-v8k is the
-# fastest on the wiki chat prompts at k=2; smollm2-eagle3-broad16-r1 (16 broad shards,
-# teacher-forced, 1,800 steps) drafts the best first token and is the fastest over chat + demo
-# prompts at k=1 with n-gram hybrid, so fastest.json names it on CPU (benchmarks/RESULTS.md,
-# "Training compute of the EAGLE-3 head"); smollm2-eagle3-broad (rollout 3) accepts more at k>=3
-# and in trees.
-SHIPPED = (("smollm2-mtp-v8k", "mtp"), ("smollm2-eagle3-broad16-r1", "eagle3"),
+# fastest on the wiki chat prompts at k=2; smollm2-eagle3-broad47-r1 (broad16-r1 fine-tuned on
+# broad shards 17-46) drafts the best first token and accepts the most at k=1, k=3 and in trees
+# on held-out broad prompts (benchmarks/RESULTS.md, "The EAGLE-3 head on 3x the broad data");
+# smollm2-eagle3-broad16-r1 (16 broad shards, teacher-forced, 1,800 steps) is the fastest over
+# chat + demo prompts timed on a quiet machine at k=1 with n-gram hybrid, so fastest.json names it
+# on CPU (RESULTS.md, "Training compute of the EAGLE-3 head"); smollm2-eagle3-broad (rollout 3)
+# accepts more at k>=3 than broad16-r1.
+SHIPPED = (("smollm2-mtp-v8k", "mtp"), ("smollm2-eagle3-broad47-r1", "eagle3"),
+           ("smollm2-eagle3-broad16-r1", "eagle3"),
            ("smollm2-eagle3-broad", "eagle3"), ("smollm2-mtp", "mtp"),
            ("smollm2-eagle", "eagle"), ("smollm2-draft", "draft"))
 
