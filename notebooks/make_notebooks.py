@@ -169,7 +169,7 @@ def nb02():
 
 HEAD = "smollm2-eagle3-broad47-r1"   # the best-accepting shipped EAGLE-3 head (checkpoints/README.md)
 report = json.load(open(os.path.join(ROOT, "checkpoints", HEAD, "report.json")))
-logs = {f"{HEAD} ({report['train_answer_tokens']:,} answer tokens)":
+logs = {f"{HEAD} (fine-tune on {report['train_answer_tokens']:,} new answer tokens)":
             read_log(os.path.join(ROOT, "notebooks/data", f"{HEAD}.log.jsonl")),
         "smollm2-mtp (first head, 166k tokens)": read_log(os.path.join(ROOT, "notebooks/data", "mtp-norms.log.jsonl"))}
 fig, ax = plt.subplots(1, 2, figsize=(11, 3.5))
