@@ -173,6 +173,9 @@ class Plan:
     arm_steps: int = 500
     arm_accept_prompts: int = 4
     tiny: bool = False  # CPU smoke: a tiny random target, tiny prompt sets
+    rollout: int = 3  # the main head's fed-back passes (training-time test); 1 = teacher-forced
+    lr: float = 1e-3
+    init_from: str | None = None  # the main head starts from this head checkpoint (fine-tune)
 
 
 def _target(plan: Plan, explicit: str | None):
@@ -253,10 +256,11 @@ def run(plan: Plan, budget_s: float, explicit_gguf: str | None) -> dict:
         return {"train_rows": len(train), "train_answer_tokens": int((train.lengths - train.prompt_lens).sum()),
                 "held_out_rows": len(held)}
 
-    def fit(name, kind="eagle3", rollout=3, shards=None, vocab=None, steps=None):
+    def fit(name, kind="eagle3", rollout=None, shards=None, vocab=None, steps=None, init_from=None):
         steps = steps or plan.steps
+        rollout = plan.rollout if rollout is None else rollout
         tc = trainer.TrainConfig(steps=steps, batch_size=plan.train_batch, seq_len=plan.seq_len,
-                                 rollout=rollout, rollout_decay=0.8 if kind == "eagle3" else 1.0,
+                                 rollout=rollout, lr=plan.lr, rollout_decay=0.8 if kind == "eagle3" else 1.0,
                                  save_every=max(steps // 4, 1), log_every=max(steps // 50, 1))
         train, held = state["data"]
         if shards is not None:
@@ -266,11 +270,11 @@ def run(plan: Plan, budget_s: float, explicit_gguf: str | None) -> dict:
         head_dir = os.path.join(plan.work, name)
         rep = pipeline.train_head(state["target"], state["tok"], plan.work, head_dir, kind, True, tc,
                                   eval_prompts=0, draft_vocab=plan.draft_vocab if vocab is None else vocab,
-                                  run_name=f"run-{name}", data=(train, held))
+                                  run_name=f"run-{name}", data=(train, held), init_from=init_from)
         return head_dir, rep
 
     def train():
-        head_dir, rep = fit("head")
+        head_dir, rep = fit("head", init_from=plan.init_from)
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as t:
             for name in sorted(os.listdir(head_dir)):
@@ -346,7 +350,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--train-batch", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--draft-vocab", type=int, default=8192,
+                    help="the main head's draft vocabulary (0: the full vocabulary)")
+    ap.add_argument("--rollout", type=int, default=3,
+                    help="the main head's fed-back passes (1: teacher-forced only)")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--init-from", default=None,
+                    help="start the main head from this head checkpoint (its vocabulary too)")
     ap.add_argument("--arms", default="", help='ablation arms, e.g. "mtp:kind=mtp;r1:rollout=1" (see 6.)')
     ap.add_argument("--arm-steps", type=int, default=500)
     ap.add_argument("--arm-accept-prompts", type=int, default=4,
@@ -377,7 +387,8 @@ def main(argv=None) -> dict:
                     batch_size=args.batch_size, gen_budget_s=args.gen_budget_s, steps=args.steps,
                     train_batch=args.train_batch, seq_len=args.seq_len, draft_vocab=args.draft_vocab,
                     work=args.work, arms=args.arms, arm_steps=args.arm_steps,
-                    arm_accept_prompts=args.arm_accept_prompts)
+                    arm_accept_prompts=args.arm_accept_prompts, rollout=args.rollout, lr=args.lr,
+                    init_from=args.init_from)
     data = run(plan, args.budget_s, args.smollm2_gguf)
     print(open(os.path.join(args.out, "gpu_corpus.md")).read())
     return data
