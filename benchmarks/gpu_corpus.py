@@ -3,7 +3,8 @@
 On the 2-core CPU the self-distilled corpus grows at ~73 answer tokens/s (checkpoints/README.md),
 so issue 21's >= 2M answer tokens is ~8 CPU-hours before any training. On the H200 the same
 pipeline (``specjax.train.distill`` -> ``pipeline.prepare_broad`` -> ``pipeline.train_head``) runs
-in minutes. Sections, each against the time budget (``benchmarks.gpu_check.Report``: a section
+in minutes: on 2026-12-04 ~9,100 answer tokens/s at batch 256 after a 72 s first shard, features of
+74 shards (3.8M tokens) in 181 s, 1,000 head steps x 64 in 58 s (benchmarks/RESULTS.md). Sections, each against the time budget (``benchmarks.gpu_check.Report``: a section
 that does not fit is skipped, a failure is recorded with its traceback, the report is rewritten
 after every section):
 
@@ -11,11 +12,13 @@ after every section):
 2. held_out  the held-out shards (``--held-out-shards``, the prompts of ``.gpucorpus/held_out.npz``).
 3. corpus    train shards from ``--first-shard`` on (the committed CPU shards come before it),
              at batch ``--batch-size``, until ``--gen-budget-s``; ``corpus_new.tar`` under $OUT
-             is rewritten after every shard, so a cut run still brings back whole shards.
+             is written when the section ends (a later section's failure still brings them back).
 4. features  target features of every shard (committed + new), the three EAGLE-3 layers.
-5. train     an EAGLE-3 head (8,192-token draft vocabulary, training-time test: 3 fed-back
-             passes, decay 0.8) for ``--steps`` at ``--train-batch``; written in the reference
-             layout and returned as ``head.tar.partN`` files of <= 15 MiB.
+5. train     an EAGLE-3 head (by default an 8,192-token draft vocabulary and the training-time
+             test: 3 fed-back passes, decay 0.8; ``--rollout``, ``--lr``, ``--draft-vocab``) for
+             ``--steps`` at ``--train-batch``, from scratch or ``--init-from`` a head checkpoint
+             on the machine (fine-tune; its vocabulary kept); written in the reference layout and
+             returned as ``head.tar.partN`` files of <= 15 MiB.
 6. arms      the ablation (``--arms``): shorter runs that each change one thing of the main
              recipe, e.g. ``--arms "mtp:kind=mtp;r1:rollout=1;data1x:shards=8;v32k:vocab=32768"``
              (keys: kind eagle3|mtp, rollout, shards = the first N train shards, vocab, steps;

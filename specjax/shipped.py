@@ -20,14 +20,17 @@ SHIPPED_FOR = "smollm2-135m"  # the target (``Model.source``) the shipped drafts
 KINDS = ("mtp", "eagle", "eagle3", "draft")
 # (folder name, draft kind), best first: within a kind the first present one is used. Without a
 # fastest.json entry the default draft is the first present one overall: smollm2-mtp-v8k is the
-# fastest on the wiki chat prompts at k=2; smollm2-eagle3-broad47-r1 (broad16-r1 fine-tuned on
-# broad shards 17-46) drafts the best first token and accepts the most at k=1, k=3 and in trees
-# on held-out broad prompts (benchmarks/RESULTS.md, "The EAGLE-3 head on 3x the broad data");
-# smollm2-eagle3-broad16-r1 (16 broad shards, teacher-forced, 1,800 steps) is the fastest over
-# chat + demo prompts timed on a quiet machine at k=1 with n-gram hybrid, so fastest.json names it
-# on CPU (RESULTS.md, "Training compute of the EAGLE-3 head"); smollm2-eagle3-broad (rollout 3)
+# fastest on the wiki chat prompts at k=2; smollm2-eagle3-broad74-gpu (broad47-r1 fine-tuned on an
+# H200 on all 74 broad shards, 2.25M answer tokens) drafts the best first token and accepts the
+# most at k=1, k=3 and in trees on held-out broad prompts (benchmarks/RESULTS.md, "The EAGLE-3
+# head on the full corpus, trained on the GPU"); smollm2-eagle3-broad47-r1 (broad16-r1 fine-tuned
+# on broad shards 17-46 on the CPU) is its starting point. Timed side by side on a quiet machine
+# (k=1, n-gram hybrid 2) broad74-gpu is also the fastest over chat + demo prompts, so fastest.json
+# names it on CPU; smollm2-eagle3-broad16-r1 (16 broad shards, teacher-forced, 1,800 steps) was
+# before it (RESULTS.md, "Training compute of the EAGLE-3 head"); smollm2-eagle3-broad (rollout 3)
 # accepts more at k>=3 than broad16-r1.
-SHIPPED = (("smollm2-mtp-v8k", "mtp"), ("smollm2-eagle3-broad47-r1", "eagle3"),
+SHIPPED = (("smollm2-mtp-v8k", "mtp"), ("smollm2-eagle3-broad74-gpu", "eagle3"),
+           ("smollm2-eagle3-broad47-r1", "eagle3"),
            ("smollm2-eagle3-broad16-r1", "eagle3"),
            ("smollm2-eagle3-broad", "eagle3"), ("smollm2-mtp", "mtp"),
            ("smollm2-eagle", "eagle"), ("smollm2-draft", "draft"))

@@ -102,7 +102,7 @@ def test_shipped_draft_accepts_what_was_recorded(smol, tok, name):
 
 
 def test_shipped_eagle3_head_loads_and_drafts_losslessly(smol, tok):
-    """checkpoints/smollm2-eagle3-broad47-r1 (the best EAGLE-3 head: reference layout, float16 on
+    """checkpoints/smollm2-eagle3-broad74-gpu (the best EAGLE-3 head: reference layout, float16 on
     disk) is found by specjax.shipped, drafts exactly plain greedy output, and is trained: an
     untrained head is accepted ~never (mean accepted length ~1.0), this one 1.3-1.6 at k=1 on
     broad prompts."""
@@ -110,9 +110,9 @@ def test_shipped_eagle3_head_loads_and_drafts_losslessly(smol, tok):
 
     found = shipped.load_best(smol, "eagle3")
     if found is None:
-        pytest.skip("checkpoints/smollm2-eagle3-broad47-r1 is not in this checkout")
+        pytest.skip("checkpoints/smollm2-eagle3-broad74-gpu is not in this checkout")
     head, name = found
-    assert name == "checkpoints/smollm2-eagle3-broad47-r1" and head.config.kind == "eagle3"
+    assert name == "checkpoints/smollm2-eagle3-broad74-gpu" and head.config.kind == "eagle3"
     prompts = [tok.apply_chat_template(m) for m in chat_prompts("held_out", limit=4)]
     plain = sj.generate(smol, prompts, max_new_tokens=48, eos_token_id=[])
     spec = sj.generate(smol, prompts, max_new_tokens=48, draft=head, method="eagle3",
