@@ -4,9 +4,10 @@ On the 2-core CPU the self-distilled corpus grows at ~73 answer tokens/s (checkp
 so issue 21's >= 2M answer tokens is ~8 CPU-hours before any training. On the H200 the same
 pipeline (``specjax.train.distill`` -> ``pipeline.prepare_broad`` -> ``pipeline.train_head``) runs
 in minutes: on 2026-12-04 ~9,100 answer tokens/s at batch 256 after a 72 s first shard, features of
-74 shards (3.8M tokens) in 181 s, 1,000 head steps x 64 in 58 s (benchmarks/RESULTS.md). Sections, each against the time budget (``benchmarks.gpu_check.Report``: a section
-that does not fit is skipped, a failure is recorded with its traceback, the report is rewritten
-after every section):
+74 shards (3.8M tokens) in 181 s, 1,000 head steps x 64 in 58 s (benchmarks/RESULTS.md).
+Sections, each against the time budget (``benchmarks.gpu_check.Report``: a section that does not
+fit is skipped, a failure is recorded with its traceback, the report is rewritten after every
+section):
 
 1. env       versions, device.
 2. held_out  the held-out shards (``--held-out-shards``, the prompts of ``.gpucorpus/held_out.npz``).
@@ -25,7 +26,8 @@ after every section):
              ``--arm-steps`` by default), each with its held-out top-1 per domain (teacher-forced)
              and, with ``--arm-accept-prompts`` N > 0, mean accepted length per domain at k=3
              from decoding N held-out prompts per domain (benchmarks/eval_domains.py). The main
-             head at ``--arm-steps`` is the arms' baseline ("base").
+             recipe at ``--arm-steps``, from scratch (no ``--init-from``), is the arms' baseline
+             ("base").
 
 Generation and features run with float32 matmuls at "highest" precision (no TF32), so answers
 and features are those of the CPU inference path up to summation order; training uses the
