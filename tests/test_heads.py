@@ -39,7 +39,7 @@ def plain(predictable):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.slow), 4])
 def test_greedy_lossless(predictable, plain, kind, k):
     """Heads that mostly reproduce the target: every accept length 0..k occurs (measured for k=4:
     MTP [52, 22, 4, 1, 1], EAGLE [58, 13, 4, 4, 1] row-steps), so the shift after 1..k-1
@@ -121,7 +121,7 @@ def test_carried_head_state_equals_teacher_forcing(predictable, kind, k):
         np.testing.assert_allclose(state.draft_logits[i], want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 3])  # k=3 covers 0..3 accepted
 def test_carried_draft_logits_equal_teacher_forcing(target, k):
     """The same for a draft LLM (a noisy copy of the target: partial acceptance happens), whose
     catch-up forward after a steps carries its logits for the next position."""
@@ -144,7 +144,7 @@ def dist_target():
                               scale=1.0)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ["mtp", pytest.param("eagle", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("draft_sampling", [False, True], ids=["point_mass", "sampled_q"])
 def test_distribution_matches_target(dist_target, kind, draft_sampling):
     """k + 2 = 4 tokens per row: the bonus after a fully accepted step is in the sample."""

@@ -67,7 +67,7 @@ def test_ragged_rows_and_padding_not_written():
     assert np.all(k0[:, 5, 1:] == 0) and np.all(k0[:, 6:8] == 0)
 
 
-@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.parametrize("page_size", [1, 3, pytest.param(16, marks=pytest.mark.slow)])
 def test_poisoned_stale_entries_never_read(page_size):
     """NaN in every slot at or beyond a row's length (and in unowned pages) changes nothing."""
     model = tiny_model(5)

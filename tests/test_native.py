@@ -131,7 +131,8 @@ def test_inference_params_is_cached_per_model():
 
 
 @pytest.mark.parametrize("kind,vocab,half", [("mtp", 0, False), ("mtp", 20, False),
-                                             ("eagle3", 24, False), ("eagle3", 24, True)])
+                                             pytest.param("eagle3", 24, False, marks=pytest.mark.slow),
+                                             ("eagle3", 24, True)])
 def test_packed_head_matches(kind, vocab, half):
     """A head packed by inference_params (block, eh_proj / fc, the precomputed output
     projection over its draft vocabulary) gives the canonical features, hidden states and

@@ -55,7 +55,7 @@ def _eos_for_staggered_stops(tokens):
     return best[0]
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.slow), 4, 7])
 def test_greedy_lossless(tiny_pair, noisy_draft, plain, k):
     target, _ = tiny_pair
     out = sj.generate(target, PROMPTS, max_new_tokens=40, draft=noisy_draft, method="draft",
@@ -98,7 +98,7 @@ def test_greedy_lossless_against_hf(tiny_pair, noisy_draft, tmp_path):
         assert got == ref
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("k", [1, 3, pytest.param(5, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("draft_sampling", [False, True])
 def test_self_draft_accepts_everything(tiny_pair, k, draft_sampling):
     """Target as its own draft: every draft accepted, for greedy rows and (when drafts are sampled

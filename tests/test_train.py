@@ -41,7 +41,7 @@ def _first_last(log_path):
     return rows[0], rows[-1]
 
 
-@pytest.mark.parametrize("kind, norms", [("mtp", True), ("eagle", False)])
+@pytest.mark.parametrize("kind, norms", [("mtp", True), pytest.param("eagle", False, marks=pytest.mark.slow)])
 def test_head_training_learns_and_drafts(setup, kind, norms):
     target, data, work = setup
     hcfg = HeadConfig.for_target(target.config, kind, norms=norms)
