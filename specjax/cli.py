@@ -84,6 +84,18 @@ def _apply_recommended(args, rec: dict) -> None:
                 setattr(args, name, int(value))
 
 
+def _tree_args(parser) -> None:
+    """--tree-depth / --tree-top-k / --tree-nodes (method eagle-tree)."""
+    parser.add_argument("--tree-depth", type=int, default=None,
+                        help="eagle-tree: draft levels (default: measured-fastest tree, else 5)")
+    parser.add_argument("--tree-top-k", type=int, default=None,
+                        help="eagle-tree: children per expanded node and nodes expanded per "
+                             "level (default: measured-fastest tree, else 4)")
+    parser.add_argument("--tree-nodes", type=int, default=None,
+                        help="eagle-tree: nodes kept, the target verifies nodes + 1 tokens "
+                             "(default: measured-fastest tree, else 16)")
+
+
 TREE_DEFAULTS = dict(tree_depth=5, tree_top_k=4, tree_nodes=16)
 
 
@@ -205,9 +217,11 @@ def cmd_demo(args) -> int:
     target, tok, draft = _load(args)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in DEMO_PROMPTS]
     k_adapt = max(args.k, 3)  # adaptive speculation picks k in 0..k_adapt every step
+    # adaptive k is a chain length: a tree's head drafts the adaptive chain of its own kind
+    adapt_method = draft.config.kind if args.method == "eagle-tree" else args.method
     kws = {"plain": _generate_kwargs(args, None, "none"),
            "speculative": _generate_kwargs(args, draft, args.method),
-           "adaptive": _generate_kwargs(args, draft, args.method, adaptive=True, k=k_adapt)}
+           "adaptive": _generate_kwargs(args, draft, adapt_method, adaptive=True, k=k_adapt)}
     # plain, fixed k and adaptive: a warm-up (compile) each, then interleaved timed rounds
     with _bar(3 * (1 + args.rounds), "demo", args.progress) as bar:
         def runner(name):
@@ -243,7 +257,10 @@ def cmd_demo(args) -> int:
     for q, toks in zip(DEMO_PROMPTS, spec.tokens):
         print(f"\n### {q}\n{tok.decode(toks).strip()}")
     s = spec.stats
-    print(f"\n--- speculative decoding (method {args.method}, draft {args.draft_name}, k={args.k}, "
+    tc = kws["speculative"]["tree"]
+    shape = (f"tree depth {tc.depth}, top-k {tc.top_k}, {tc.num_nodes} nodes" if tc is not None
+             else f"k={args.k}")
+    print(f"\n--- speculative decoding (method {args.method}, draft {args.draft_name}, {shape}, "
           f"temperature {args.temperature:.2g}) ---")
     rec = getattr(args, "recommended", None)
     if rec:
@@ -260,8 +277,8 @@ def cmd_demo(args) -> int:
     print(f"speedup                    {fmt(speedup['speculative'], 'x')}")
     a = adapt.stats
     signal = kws["adaptive"].get("adaptive_by", "history")
-    print(f"\n--- adaptive speculation (k chosen on device each step in 0..{k_adapt}, by "
-          f"{signal}) ---")
+    print(f"\n--- adaptive speculation (method {adapt_method}, k chosen on device each step in "
+          f"0..{k_adapt}, by {signal}) ---")
     print(f"outputs identical to plain decoding: {plain.tokens == adapt.tokens}")
     print("steps per chosen k         " + "  ".join(f"k={i}: {c}" for i, c in
                                                     enumerate(a["k_histogram"])))
@@ -588,6 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--method", choices=["draft", "mtp", "eagle", "eagle3", "eagle-tree", "ngram"], default=None,
                       help="default: the configuration measured fastest on this backend "
                            "(checkpoints/fastest.json), else the best shipped draft")
+    _tree_args(demo)
     demo.add_argument("--rounds", type=int, default=3,
                       help="timed rounds, interleaved plain / speculative / adaptive (default 3)")
 
@@ -609,14 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="none = plain decoding; eagle-tree = a head drafting an EAGLE-2 "
                           "dynamic tree (--tree-*); ngram = prompt lookup (no draft model, "
                           "--ngram-*); default: the best shipped draft's method")
-    gen.add_argument("--tree-depth", type=int, default=None,
-                     help="eagle-tree: draft levels (default: measured-fastest tree, else 5)")
-    gen.add_argument("--tree-top-k", type=int, default=None,
-                     help="eagle-tree: children per expanded node and nodes expanded per level "
-                          "(default: measured-fastest tree, else 4)")
-    gen.add_argument("--tree-nodes", type=int, default=None,
-                     help="eagle-tree: nodes kept, the target verifies nodes + 1 tokens "
-                          "(default: measured-fastest tree, else 16)")
+    _tree_args(gen)
     gen.add_argument("--no-chat", dest="chat", action="store_false",
                      help="raw text, no chat template")
     gen.add_argument("--stream", action="store_true",

@@ -157,6 +157,16 @@ def test_generate_eagle_tree_with_a_head_checkpoint(tiny_dirs, tmp_path, capsys)
     tree = json.loads(capsys.readouterr().out)
     assert tree["tokens"] == plain["tokens"]
     assert tree["stats"]["method"] == "eagle-tree" and tree["stats"]["num_draft_tokens"] == 3
+    # the demo with a tree (as checkpoints/fastest.json may choose): its adaptive run is the head's
+    # own chain (adaptive k is a chain length), and the text report names both
+    assert cli.main(["demo", "--model", target, "--tokenizer", "smollm2-135m", "--method",
+                     "eagle-tree", "--draft", str(tmp_path / "head"), "--tree-depth", "1",
+                     "--tree-top-k", "3", "--tree-nodes", "3", "--max-new-tokens", "4",
+                     "--rounds", "1", "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "tree depth 1, top-k 3, 3 nodes" in text
+    assert "adaptive speculation (method mtp, k chosen" in text and "steps per chosen k" in text
+    assert text.count("outputs identical to plain decoding: True") == 2
 
 
 def test_demo_times_interleaved_rounds(tiny_dirs, capsys):
