@@ -188,7 +188,7 @@ def plain(v3):
     return sj.generate(v3[2], PROMPTS, max_new_tokens=24, eos_token_id=[]).tokens
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_mtp_greedy_lossless(v3, plain, k):
     _, _, target, head = v3
     out = sj.generate(target, PROMPTS, max_new_tokens=24, draft=head, method="mtp",

@@ -69,7 +69,7 @@ def test_greedy_lossless(tiny_pair, noisy_draft, plain, k):
     check_stats_agree(out, len(PROMPTS))
 
 
-@pytest.mark.parametrize("k", [2, 7])
+@pytest.mark.parametrize("k", [pytest.param(2, marks=pytest.mark.slow), 7])
 def test_greedy_lossless_with_eos_at_different_steps(tiny_pair, noisy_draft, plain, k):
     target, _ = tiny_pair
     eos = _eos_for_staggered_stops(plain)

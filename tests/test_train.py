@@ -235,6 +235,7 @@ def test_answer_only_loss_ignores_prompt_positions(setup):
     assert float(empty["cls"]) == 0.0 and float(empty["top1"]) == 0.0
 
 
+@pytest.mark.slow  # test_eagle3_training_time_test_learns_and_drafts trains over a reduced vocabulary too
 def test_head_training_with_reduced_vocab(setup):
     """A head restricted to the 40 most frequent answer tokens trains (loss over the subset),
     its exact top-1 (vs the full-vocabulary teacher) improves, and it drafts losslessly."""
