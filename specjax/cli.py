@@ -606,8 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="default: the configuration measured fastest on this backend "
                            "(checkpoints/fastest.json), else the best shipped draft")
     _tree_args(demo)
-    demo.add_argument("--rounds", type=int, default=3,
-                      help="timed rounds, interleaved plain / speculative / adaptive (default 3)")
+    demo.add_argument("--rounds", type=int, default=5,
+                      help="timed rounds, interleaved plain / speculative / adaptive (default 5)")
 
     gen = sub.add_parser(
         "generate", help="generate from prompts (plain or speculative), optionally streamed",
