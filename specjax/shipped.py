@@ -27,8 +27,9 @@ KINDS = ("mtp", "eagle", "eagle3", "draft")
 # on broad shards 17-46 on the CPU) is its starting point. Timed side by side on a quiet machine
 # broad74-gpu has the best worst case over chat + demo prompts, so fastest.json names it on CPU
 # (since 2026-12-05 as a depth-1 tree of its top 3 first tokens, RESULTS.md "Depth-1 trees");
-# smollm2-eagle3-broad16-r1 (16 broad shards, teacher-forced, 1,800 steps) was before it (RESULTS.md, "Training compute of the EAGLE-3 head"); smollm2-eagle3-broad (rollout 3)
-# accepts more at k>=3 than broad16-r1.
+# smollm2-eagle3-broad16-r1 (16 broad shards, teacher-forced, 1,800 steps) was before it
+# (RESULTS.md, "Training compute of the EAGLE-3 head"); smollm2-eagle3-broad (rollout 3) accepts
+# more at k>=3 than broad16-r1.
 SHIPPED = (("smollm2-mtp-v8k", "mtp"), ("smollm2-eagle3-broad74-gpu", "eagle3"),
            ("smollm2-eagle3-broad47-r1", "eagle3"),
            ("smollm2-eagle3-broad16-r1", "eagle3"),
