@@ -4,8 +4,9 @@ from specjax.api import (GenerateOutput, draft_logits, early_exit_draft, generat
                          load_model, load_tokenizer, logits)
 from specjax.config import ModelConfig, RopeScaling, SpecConfig
 from specjax.model import Model
+from specjax.speculate import Custom, Drafter  # the drafter interface (specjax.speculate.drafters)
 from specjax.engine import Engine, EngineConfig, RequestParams  # noqa: F401 - serving engine
 
-__all__ = ["GenerateOutput", "Model", "ModelConfig", "RopeScaling", "SpecConfig",
+__all__ = ["Custom", "Drafter", "GenerateOutput", "Model", "ModelConfig", "RopeScaling", "SpecConfig",
            "draft_logits", "early_exit_draft", "generate", "load_draft", "load_model", "load_tokenizer", "logits"]
 __version__ = "0.1.0"

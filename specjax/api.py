@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import kv_cache, native, registry, request, speculate
+from specjax import heads, kv_cache, native, registry, request, speculate
+from specjax.heads import Head, cast_floats
 from specjax.config import ModelConfig, SpecConfig
 from specjax.model import Model, check_params
 
@@ -93,7 +94,6 @@ def load_draft(path, target: Model, dtype=None):
     Returns:
       a Model (method="draft") or a Head (method="mtp" / "eagle" / "eagle3").
     """
-    from specjax.heads import Head, cast_floats  # noqa: PLC0415
     from specjax.io import checkpoint  # noqa: PLC0415
 
     if not isinstance(target, Model):
@@ -151,7 +151,6 @@ def early_exit_draft(target: Model, num_layers: int) -> Model:
 def check_draft(draft, target: Model, method: str = "draft") -> None:
     """Raises a clear error when ``draft`` cannot draft for ``target`` with ``method`` (a
     ``SpecConfig.method``; "none" takes no draft). Shared by ``generate`` and the Engine."""
-    from specjax.heads import Head  # noqa: PLC0415
 
     if method not in speculate.METHODS:
         raise ValueError(f'method="{method}" is not available in this version of specjax '
@@ -168,6 +167,14 @@ def check_draft(draft, target: Model, method: str = "draft") -> None:
         return
     if draft is None:
         raise ValueError(f'method="{method}" needs a draft (draft=...)')
+    if method == "custom":
+        if not isinstance(draft, speculate.Custom):
+            raise TypeError('method="custom" needs draft=specjax.speculate.Custom(drafter, params), '
+                            f"got {type(draft).__name__}")
+        return
+    if isinstance(draft, speculate.Custom):
+        raise ValueError(f'a specjax.speculate.Custom drafter needs method="custom", got '
+                         f'method="{method}"')
     if method in speculate.HEAD_METHODS:
         if not isinstance(draft, Head):
             raise TypeError(f'method="{method}" needs a draft head (specjax.heads.Head), got '
@@ -195,7 +202,7 @@ def check_draft(draft, target: Model, method: str = "draft") -> None:
 
 def load_tokenizer(name_or_path: str):
     """HF-compatible tokenizer (encode / decode / apply_chat_template) for a model name or path."""
-    from specjax.tokenizer import load_tokenizer as _load  # noqa: PLC0415
+    from specjax.tokenizer import load_tokenizer as _load  # noqa: PLC0415 - imports transformers
     return _load(name_or_path)
 
 
@@ -229,7 +236,6 @@ def logits(model: Model, token_ids: Sequence[int]) -> np.ndarray:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "head_cfg"))
 def _draft_logits_jit(params, cfg, head_params, head_cfg, tokens, length):
-    from specjax import heads  # noqa: PLC0415
 
     t = tokens.shape[1]  # padded to a bucket; rows at or beyond `length` are padding
     per_seq = kv_cache.pages_needed(t, 16)
@@ -260,7 +266,6 @@ def draft_logits(target: Model, head, token_ids: Sequence[int]) -> np.ndarray:
       token j+1, i.e. its prediction of token j+2 (the first draft it would propose after
       committing tokens 0..j+1). Tokens outside a reduced draft vocabulary get <= -1e9.
     """
-    from specjax.heads import Head  # noqa: PLC0415
 
     if not isinstance(target, Model):
         raise TypeError(f"target must be a specjax Model, got {type(target).__name__}")
@@ -299,7 +304,7 @@ def merge_outputs(outputs: list) -> GenerateOutput:
     texts = None if any(o.texts is None for o in outputs) else [t for o in outputs for t in o.texts]
     stats = dict(first)
     for key in ("accepted_tokens", "steps", "row_steps", "generated_tokens", "wall_time_s",
-                "drafted_tokens"):
+                "drafted_tokens", "speculative_steps"):
         if key in first:
             stats[key] = sum(o.stats[key] for o in outputs)
     if "k_histogram" in first:
@@ -366,7 +371,8 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         "eagle" or "eagle3" (a head fed by the target's hidden states, drafting a chain; the
         head's kind must match), "eagle-tree" (any head drafts a tree, see ``tree``), "ngram"
         (prompt lookup: no draft model; the tokens that followed the longest earlier match of
-        the row's suffix, see specjax.ngram).
+        the row's suffix, see specjax.ngram), "custom" (``draft`` is a
+        ``specjax.speculate.Custom(drafter, params)``: any ``specjax.speculate.Drafter``).
       num_draft_tokens: k, the draft length (1..64).
       temperature, top_k, top_p: sampling settings, scalars or one per prompt. temperature 0 is
         greedy; top_k 0 and top_p 1.0 disable those filters.
@@ -422,7 +428,7 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
     if spec.adaptive:  # the cost model of this device, batch bucket and model (cached)
         if mesh is not None:
             raise ValueError("adaptive=True is not supported with mesh=... yet")
-        from specjax import cost_model  # noqa: PLC0415
+        from specjax import cost_model  # noqa: PLC0415 - only adaptive runs probe costs
         cost = cost_model.measure_costs(
             target_params, target.config, draft_params,
             None if draft is None else draft.config, method=method, kmax=k_eff,
@@ -445,10 +451,14 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
     # mean_accepted_length * row_steps == tokens generated after each row's first (prefill) one.
     accepted = int(acc_pos.sum()) if k_eff else 0
     per_step = max(row_steps, 1)
+    # Every draft token the target verified (a tree: every node; n-gram rows without a match
+    # and adaptive k = 0 steps verify none), so acceptance_rate = accepted / verified means the
+    # same for chains, trees and n-gram drafting.
+    drafted = int(extra.get("drafted", 0))
     stats = {
         "method": method,
         "num_draft_tokens": k_eff,
-        "acceptance_rate": accepted / (per_step * k_eff) if k_eff else float("nan"),
+        "acceptance_rate": accepted / drafted if drafted else float("nan"),
         "mean_accepted_length": (total - b) / per_step if row_steps else float("nan"),
         "per_position_acceptance": (acc_pos / per_step).tolist() if k_eff else [],
         "accepted_tokens": accepted,
@@ -458,11 +468,8 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         "wall_time_s": elapsed,
         "tokens_per_second": total / elapsed if elapsed > 0 else float("inf"),
     }
-    if spec.method == "ngram" or spec.adaptive or spec.hybrid_min:
-        # Fewer drafts than row_steps * k were proposed (no match, or a smaller k was chosen).
-        drafted = int(extra.get("drafted", 0))
-        stats["drafted_tokens"] = drafted
-        stats["acceptance_rate"] = accepted / drafted if drafted else float("nan")
+    stats["drafted_tokens"] = drafted
+    stats["speculative_steps"] = int(extra.get("spec_steps", 0))  # row-steps that verified drafts
     if "k_hist" in extra:
         stats["k_histogram"] = [int(c) for c in extra["k_hist"]]
     if "table" in extra:  # adaptive_by="confidence": decayed accepted / reached per cell

@@ -208,7 +208,8 @@ class Qwen3MoeConfig(ModelConfig):
         return kw
 
 
-METHODS = ("none", "draft", "mtp", "eagle", "eagle3", "eagle-tree", "ngram")
+METHODS = ("none", "draft", "mtp", "eagle", "eagle3", "eagle-tree", "ngram", "custom")
+MODEL_DRAFTERS = ("draft", "mtp", "eagle", "eagle3", "custom")  # methods that can hybrid / adapt by confidence
 ATTN_IMPLS = ("reference", "pallas")
 ADAPTIVE_SIGNALS = ("history", "confidence")  # SpecConfig.adaptive_by
 
@@ -233,7 +234,8 @@ class SpecConfig:
       method: "none" (plain decoding), "draft" (a draft LLM), "mtp" / "eagle" (a head fed the
         target's features, drafting a chain), "eagle3" (EAGLE-3 head on fused multi-layer
         features), "eagle-tree" (a head drafting a tree, see ``tree``), "ngram" (drafts copied
-        from the context, no draft model).
+        from the context, no draft model), "custom" (the ``specjax.speculate.Drafter`` passed as
+        ``draft=specjax.speculate.Custom(drafter, params)``).
       num_draft_tokens: k, the chain draft length, in [1, 64] (``k``). Ignored by "eagle-tree"
         (the tree's depth bounds a step) and stored as 1 for "none".
       draft_sampling: sample drafts from the draft distribution q (True) or take its argmax
@@ -308,7 +310,7 @@ class SpecConfig:
         if self.hybrid_min > self.ngram_max:
             raise ValueError(f"SpecConfig.hybrid_min ({self.hybrid_min}) must be <= ngram_max "
                              f"({self.ngram_max}): longer matches are never searched")
-        if self.hybrid_min and self.method not in ("draft", "mtp", "eagle", "eagle3"):
+        if self.hybrid_min and self.method not in MODEL_DRAFTERS:
             raise ValueError(f'SpecConfig.hybrid_min > 0 needs method "draft", "mtp", "eagle" or '
                              f'"eagle3" (a model drafts the rows without an n-gram match), got '
                              f"method={self.method!r}")
@@ -320,7 +322,7 @@ class SpecConfig:
                              f"{self.adaptive_by!r}")
         if self.adaptive_by != "history" and not self.adaptive:
             raise ValueError(f"SpecConfig.adaptive_by={self.adaptive_by!r} needs adaptive=True")
-        if self.adaptive_by == "confidence" and self.method not in ("draft", "mtp", "eagle", "eagle3"):
+        if self.adaptive_by == "confidence" and self.method not in MODEL_DRAFTERS:
             raise ValueError('SpecConfig.adaptive_by="confidence" needs a model drafter (method '
                              f'"draft", "mtp", "eagle" or "eagle3"), got method={self.method!r}')
         if self.method == "none":

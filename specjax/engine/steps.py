@@ -1,12 +1,15 @@
 """The engine's jitted device steps over a fixed set of request slots.
 
-Device state (``SlotState``, donated every step): the target and draft page pools, plus per-slot
-carried values for ``S`` slots and one dummy slot ``S`` that padding rows read and write.
+Device state (``SlotState`` = a ``speculate.DecodeState`` over S+1 rows, donated every step):
+the target and draft page pools, plus per-slot rows (``DecodeState.PER_ROW``: lengths,
+last_token, the drafter's carry, history, lag window) for ``S`` slots and one dummy slot ``S``
+that padding rows read and write. A step gathers its rows' slots into a DecodeState of the
+batch, runs the speculative core on it, and scatters the rows back (no field-by-field copy).
 Between steps a decoding slot satisfies ``specjax.speculate``'s invariant (n = lengths[slot]
-committed tokens, x_{n-1} = last_token[slot] not yet in the target cache, the draft's carried
-logits / head hidden state for position n). Lengths live on the device, so a step can be
-dispatched before the host has read how many drafts the previous one accepted (the one-token
-MTP schedule: see specjax.engine.engine, "async").
+committed tokens, x_{n-1} = last_token[slot] not yet in the target cache, the drafter's carry
+for position n). Lengths live on the device, so a step can be dispatched before the host has
+read how many drafts the previous one accepted (the one-token MTP schedule: see
+specjax.engine.engine, "async").
 
 Every step takes one int32 metadata buffer ``meta [B, W]`` (B = a static batch bucket), packed on
 the host (``pack``) and copied to the device in one transfer. Row layout (``COL_*``)::
@@ -24,10 +27,10 @@ the host (``pack``) and copied to the device in one transfer. Row layout (``COL_
 Two step functions (different static shapes, each jitted once per bucket):
 
 * ``extend_step``: ordinary sampling for prefill chunks and one-token decode rows (prefill and
-  mixed batches; also plain decoding). The draft / head is advanced over the same tokens so
-  decode rows keep the speculative invariant.
-* ``spec_decode_step``: a decode-only batch through ``speculate.spec_step`` (draft rollout,
-  verify, acceptance, catch-up / MTP shift, fused).
+  mixed batches; also plain decoding). The drafter absorbs the same tokens
+  (``Drafter.extend``) so decode rows keep the speculative invariant.
+* ``spec_decode_step``: a decode-only batch through ``speculate.loop.step_counted`` (propose,
+  verify, acceptance, absorb, fused).
 
 Randomness: the token sampled at position p of a request (ordinary step) uses
 ``fold_in(key(seed), p)``; a speculative step starting at length n uses row key
@@ -43,10 +46,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import adaptive, control, kv_cache, ngram, registry, sampling, speculate
+from specjax import adaptive, control, ngram, registry, sampling, speculate
 from specjax.config import SpecConfig
 from specjax.model import lm_head
-from specjax.registry import forward
 
 (COL_KIND, COL_SLOT, COL_START, COL_NUM_NEW, COL_FINAL, COL_NEXT, COL_SEED, COL_TEMP, COL_TOP_K,
  COL_TOP_P) = range(10)
@@ -68,51 +70,37 @@ class StepConfig:
         return NUM_COLS + self.pages_per_seq + t
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SlotState:
-    """Everything the device carries between engine steps (donated each step)."""
+def init_state(target_cfg, draft_cfg, sc: StepConfig, num_pages: int, dtype) -> speculate.DecodeState:
+    """Zeroed pools of ``num_pages`` pages for target and draft, and S+1 empty slots.
 
-    target_kv: kv_cache.KVCache
-    draft_kv: kv_cache.KVCache | None
-    lengths: jax.Array  # [S+1] int32 committed tokens n per slot
-    last_token: jax.Array  # [S+1] int32 x_{n-1}
-    draft_logits: jax.Array | None  # [S+1, V] float32 carried draft logits (speculative methods)
-    head_hidden: jax.Array | None  # [S+1, E] head output at position n-2 (MTP / EAGLE)
-    history: jax.Array | None = None  # [S+1, L] int32 x_0..x_{n-1} per slot (n-gram drafting)
-    # adaptive k (one running estimate for the engine; speculate.DecodeState has the meaning):
-    acc_hits: jax.Array | None = None  # [K] float32 ([K, NB] adaptive_by="confidence")
-    acc_obs: jax.Array | None = None  # [K] float32 (same)
-    plain_run: jax.Array | None = None  # [] int32
-    k_hist: jax.Array | None = None  # [K+1] int32
-    lag: jax.Array | None = None  # [S+1] int32 pending drafter positions (lazy upkeep)
-    lag_tokens: jax.Array | None = None  # [S+1, W] int32
-    lag_feats: jax.Array | None = None  # [S+1, W, E] (heads)
-
-
-def init_state(target_cfg, draft_cfg, sc: StepConfig, num_pages: int, dtype) -> SlotState:
-    """Zeroed pools of ``num_pages`` pages for target and draft, and S+1 empty slots."""
+    The slot state is a ``speculate.DecodeState`` over S+1 rows: its per-row fields
+    (``DecodeState.PER_ROW``: lengths, last_token, the drafter's carry, history, lag window)
+    are the slots', its pools are the engine's; the per-generation fields (page_table,
+    out_tokens, keys, counters) are placeholders that each step replaces for its own rows.
+    """
     lc = sc.lc
     s1 = sc.num_slots + 1
+    plan = speculate.make_plan(target_cfg, draft_cfg, lc)
     target_kv = registry.init_cache(target_cfg, num_pages, lc.page_size, dtype)
-    draft_kv = draft_logits = head_hidden = None
-    if lc.method == "draft":
-        draft_kv = registry.init_cache(draft_cfg, num_pages, lc.page_size, dtype)
-    elif lc.uses_head:
-        draft_kv = registry.init_cache(draft_cfg.layer, num_pages, lc.page_size, dtype)
-        head_hidden = jnp.zeros((s1, draft_cfg.layer.hidden_size), dtype)
-    if lc.method not in ("none", "ngram"):
-        draft_logits = jnp.zeros((s1, target_cfg.vocab_size), jnp.float32)
-    extra = {}
-    if lc.uses_history:
-        extra["history"] = jnp.zeros((s1, sc.history_len), jnp.int32)
+    draft_kv, carry = plan.drafter.init(s1, num_pages, lc.page_size, dtype)
+    zeros = jnp.zeros((s1,), jnp.int32)
+    i0 = jnp.zeros((), jnp.int32)
+    state = speculate.DecodeState(
+        target_kv=target_kv, draft_kv=draft_kv, page_table=jnp.zeros((s1, 1), jnp.int32),
+        lengths=jnp.ones((s1,), jnp.int32), last_token=zeros, carry=carry,
+        out_tokens=jnp.zeros((s1, 1), jnp.int32), num_out=zeros, done=jnp.ones((s1,), bool),
+        step=i0, row_keys=_row_keys(zeros, zeros), accepted_per_pos=jnp.zeros((max(lc.k_eff, 1),), jnp.int32),
+        row_steps=i0, drafted=i0, spec_steps=i0)
+    if plan.drafter.uses_history:
+        state = dataclasses.replace(state, history=jnp.zeros((s1, sc.history_len), jnp.int32))
     if lc.adaptive:
-        kk = lc.k_eff
-        extra.update(adaptive.init_counts(kk, lc.adaptive_by == "confidence"))
-        extra.update(speculate.init_lag(lc, draft_cfg, s1, speculate.LAG_WINDOW, dtype))
-    return SlotState(target_kv=target_kv, draft_kv=draft_kv, lengths=jnp.ones((s1,), jnp.int32),
-                     last_token=jnp.zeros((s1,), jnp.int32), draft_logits=draft_logits,
-                     head_hidden=head_hidden, **extra)
+        state = dataclasses.replace(
+            state, **adaptive.init_counts(lc.k_eff, lc.adaptive_by == "confidence"),
+            **speculate.steps.init_lag(plan.drafter, s1, speculate.LAG_WINDOW, dtype))
+    return state
+
+
+SlotState = speculate.DecodeState  # the engine's device state (see init_state)
 
 
 # ------------------------------------------------------------------------------ host packing
@@ -179,26 +167,32 @@ def _row_keys(seed, position):
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed, position)
 
 
-def _scatter(state: SlotState, slot, commit, **updates) -> SlotState:
-    """Writes per-row values into their slots where ``commit`` (others keep the slot's value)."""
-    new = {}
-    for name, value in updates.items():
-        old = getattr(state, name)
-        if old is None:
-            continue
-        cur = old[slot]
+def _rows_of(state: speculate.DecodeState, slot) -> dict:
+    """The per-row fields of ``slot`` [B]'s rows (a dict of DecodeState fields)."""
+    return {name: jax.tree_util.tree_map(lambda x: x[slot], getattr(state, name))
+            for name in speculate.DecodeState.PER_ROW if getattr(state, name) is not None}
+
+
+def _scatter(state: speculate.DecodeState, slot, commit, **updates) -> speculate.DecodeState:
+    """Writes per-row values (pytrees of [B, ...]) into their slots where ``commit`` (others
+    keep the slot's value)."""
+    def put(old, value):
         mask = commit.reshape(commit.shape + (1,) * (value.ndim - 1))
-        new[name] = old.at[slot].set(jnp.where(mask, value.astype(old.dtype), cur))
+        return old.at[slot].set(jnp.where(mask, value.astype(old.dtype), old[slot]))
+
+    new = {name: jax.tree_util.tree_map(put, getattr(state, name), value)
+           for name, value in updates.items() if getattr(state, name) is not None}
     return dataclasses.replace(state, **new)
 
 
-def _extend(target_params, draft_params, state: SlotState, meta, *, target_cfg, draft_cfg,
-            sc: StepConfig):
+def _extend(target_params, draft_params, state, meta, *, target_cfg, draft_cfg, sc: StepConfig):
     """Ordinary-sampling step over prefill chunks and one-token decode rows.
 
     Returns (state, sampled [B] int32): the sampled token of decode rows and final chunks.
     """
     lc = sc.lc
+    plan = speculate.make_plan(target_cfg, draft_cfg, lc)
+    drafter, models = plan.drafter, speculate.Models(target_params, draft_params)
     cols, page_table, tokens = _unpack(meta, sc)  # tokens [B, T]
     t = tokens.shape[1]
     slot = cols["slot"]
@@ -211,8 +205,7 @@ def _extend(target_params, draft_params, state: SlotState, meta, *, target_cfg, 
 
     _, hidden, target_kv, aux = speculate.target_forward(
         target_params, target_cfg, tokens, positions, state.target_kv, page_table, start, num_new,
-        attn_impl=lc.attn_impl, return_logits=False,
-        aux_layers=speculate.aux_layers_for(lc, draft_cfg))
+        attn_impl=lc.attn_impl, return_logits=False, aux_layers=drafter.aux_layers)
     last_h = jnp.take_along_axis(hidden, (num_new - 1)[:, None, None], axis=1)[:, 0]  # [B, E]
     logits = lm_head(target_params, target_cfg, last_h)  # [B, V]
     pos_new = start + num_new  # position of the sampled token
@@ -222,22 +215,20 @@ def _extend(target_params, draft_params, state: SlotState, meta, *, target_cfg, 
     commit = cols["valid"] & (is_dec | cols["final"])
     after = jnp.where(commit, y, cols["next"])  # the token following the processed span
 
-    # The draft / head over the same span plus the token after it (for decode rows the draft
+    # The drafter over the same span plus the token after it (for decode rows a draft LLM
     # rewrites x_{n-1} with identical K/V and writes y). Decode rows whose drafter adaptive plain
-    # steps left behind are caught up first (speculate.catch_up).
+    # steps left behind are caught up first (speculate.steps.catch_up).
     draft_kv = state.draft_kv
     if state.lag is not None:
         num = jnp.where(is_dec & cols["valid"], state.lag[slot], 0)
+        feats = None if state.lag_feats is None else state.lag_feats[slot]
         draft_kv = control.cond(  # in place (a lax.cond would copy the draft pools)
             jnp.any(num > 0),
-            lambda kv: speculate.catch_up(target_params, target_cfg, draft_params, draft_cfg, kv,
-                                          page_table, n_dev, num, state.lag_tokens[slot],
-                                          None if state.lag_feats is None else state.lag_feats[slot],
-                                          lc)[0],
+            lambda kv: speculate.steps.catch_up(models, drafter, kv, page_table, n_dev, num,
+                                                state.lag_tokens[slot], feats)[0],
             draft_kv)
-    draft_kv, draft_logits, head_hidden = speculate.extend_draft(
-        target_params, target_cfg, draft_params, draft_cfg, tokens, hidden, start, num_new, after,
-        draft_kv, page_table, lc, aux)
+    draft_kv, carry = drafter.extend(models, draft_kv, speculate.Span(
+        tokens, hidden, aux, start, num_new, after, page_table))
 
     state = dataclasses.replace(state, target_kv=target_kv, draft_kv=draft_kv)
     if state.history is not None:
@@ -246,54 +237,46 @@ def _extend(target_params, draft_params, state: SlotState, meta, *, target_cfg, 
         span = jax.vmap(lambda row, i, v: row.at[i].set(v))(span, num_new, after)
         rows = ngram.write(state.history[slot], span, start)
         state = _scatter(state, slot, cols["valid"], history=rows)
-    updates = dict(lengths=pos_new + 1, last_token=y)
-    if draft_logits is not None:  # fresh carried logits: the drafter is level again
-        updates["draft_logits"] = draft_logits
-        updates["lag"] = jnp.zeros_like(slot)
-    if head_hidden is not None:
-        updates["head_hidden"] = head_hidden
+    # fresh carry: the drafter is level again
+    updates = dict(lengths=pos_new + 1, last_token=y, carry=carry, lag=jnp.zeros_like(slot))
     return _scatter(state, slot, commit, **updates), y
 
 
-def _spec_decode(target_params, draft_params, state: SlotState, meta, cost=None, *, target_cfg,
-                 draft_cfg, sc: StepConfig):
-    """Decode-only speculative step (speculate.spec_step on the gathered rows).
+def _spec_decode(target_params, draft_params, state, meta, cost=None, *, target_cfg, draft_cfg,
+                 sc: StepConfig):
+    """Decode-only speculative step (speculate's step on the gathered slots' DecodeState).
 
     cost: [K+1..K+3] float32 relative k-step costs at this batch bucket (adaptive k only).
 
-    Returns (state, emitted [B, K+1] int32, counts [B] int32, drafted [B] int32): row b emitted
-    ``emitted[b, :counts[b]]`` (accepted drafts then the residual / bonus token) after proposing
-    ``drafted[b]`` drafts (0: no n-gram match or an adaptive plain step).
+    Returns (state, emitted [B, K+1] int32, counts [B] int32, verified [B] int32): row b emitted
+    ``emitted[b, :counts[b]]`` (accepted drafts then the residual / bonus token) after the
+    target verified ``verified[b]`` draft tokens (0: no n-gram match or an adaptive plain step).
     """
     lc = sc.lc
+    plan = speculate.make_plan(target_cfg, draft_cfg, lc)
     cols, page_table, _ = _unpack(meta, sc)
     b = page_table.shape[0]
     slot, valid = cols["slot"], cols["valid"]
-    n = state.lengths[slot]
     k1 = lc.k_eff + 1
-    def rows(x):
-        return None if x is None else x[slot]
+    i0 = jnp.zeros((), jnp.int32)
+    rows = _rows_of(state, slot)
+    ds = dataclasses.replace(
+        state, **rows, page_table=page_table, out_tokens=jnp.zeros((b, k1), jnp.int32),
+        num_out=jnp.zeros((b,), jnp.int32), done=~valid, step=i0,
+        row_keys=_row_keys(cols["seed"], rows["lengths"]),
+        accepted_per_pos=jnp.zeros((max(lc.k_eff, 1),), jnp.int32), row_steps=i0, drafted=i0,
+        spec_steps=i0, cost=cost)
+    ds, verified = speculate.loop.step_counted(speculate.Models(target_params, draft_params), ds,
+                                               _row_params(cols, k1), plan)
+    new = dataclasses.replace(state, target_kv=ds.target_kv, draft_kv=ds.draft_kv,
+                              acc_hits=ds.acc_hits, acc_obs=ds.acc_obs, plain_run=ds.plain_run,
+                              k_hist=ds.k_hist)
+    return _scatter(new, slot, valid, **_rows_of_all(ds)), ds.out_tokens, ds.num_out, verified
 
-    ds = speculate.DecodeState(
-        target_kv=state.target_kv, draft_kv=state.draft_kv, page_table=page_table, lengths=n,
-        last_token=state.last_token[slot], draft_logits=rows(state.draft_logits),
-        head_hidden=rows(state.head_hidden),
-        out_tokens=jnp.zeros((b, k1), jnp.int32), num_out=jnp.zeros((b,), jnp.int32),
-        done=~valid, step=jnp.zeros((), jnp.int32), row_keys=_row_keys(cols["seed"], n),
-        accepted_per_pos=jnp.zeros((lc.k_eff,), jnp.int32), row_steps=jnp.zeros((), jnp.int32),
-        history=rows(state.history), acc_hits=state.acc_hits, acc_obs=state.acc_obs,
-        plain_run=state.plain_run, cost=cost, k_hist=state.k_hist, lag=rows(state.lag), lag_tokens=rows(state.lag_tokens),
-        lag_feats=rows(state.lag_feats))
-    ds, drafted = speculate.spec_step_counted(target_params, target_cfg, draft_params, draft_cfg,
-                                              ds, _row_params(cols, k1), lc)
-    state = dataclasses.replace(state, target_kv=ds.target_kv, draft_kv=ds.draft_kv,
-                                acc_hits=ds.acc_hits, acc_obs=ds.acc_obs,
-                                plain_run=ds.plain_run, k_hist=ds.k_hist)
-    updates = dict(lengths=ds.lengths, last_token=ds.last_token, draft_logits=ds.draft_logits,
-                   head_hidden=ds.head_hidden, history=ds.history, lag=ds.lag,
-                   lag_tokens=ds.lag_tokens, lag_feats=ds.lag_feats)
-    updates = {name: v for name, v in updates.items() if v is not None}
-    return _scatter(state, slot, valid, **updates), ds.out_tokens, ds.num_out, drafted
+
+def _rows_of_all(ds) -> dict:
+    return {name: getattr(ds, name) for name in speculate.DecodeState.PER_ROW
+            if getattr(ds, name) is not None}
 
 
 _STATIC = ("target_cfg", "draft_cfg", "sc")

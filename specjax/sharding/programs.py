@@ -42,7 +42,8 @@ _STATIC = ("plan", "target_cfg", "draft_cfg", "lc", "num_pages_per_seq", "out_le
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _generate_jit(*args, **kw):
     s = _run(*args, **kw)
-    out = (s.out_tokens, s.num_out, s.accepted_per_pos, s.row_steps, s.step)
+    out = (s.out_tokens, s.num_out, s.accepted_per_pos, s.row_steps, s.step,
+           {"drafted": s.drafted, "spec_steps": s.spec_steps})
     # Replicated results (one small all-gather after the loop): every process can read them.
     return lax.with_sharding_constraint(out, kw["plan"].sharding(P()))
 

@@ -263,13 +263,14 @@ def draft_kv_spec(draft_cfg, plan: ShardingPlan):
 
 
 def state_specs(state: speculate.DecodeState, plan: ShardingPlan, target_cfg, draft_cfg) -> dict:
-    """Field name -> spec for the decoding state (fields without a rule stay unconstrained)."""
+    """Field name -> spec for the decoding state (fields without a rule stay unconstrained; the
+    drafter's ``carry`` leaves are all [B, X]: rows over dp)."""
     rows, rows2, vec = P("dp"), P("dp", None), P("dp", _U)
     specs = {"target_kv": kv_spec(target_cfg.num_kv_heads, plan.tp),
              "draft_kv": draft_kv_spec(draft_cfg, plan),
              "page_table": rows2, "out_tokens": rows2, "lengths": rows, "last_token": rows,
-             "num_out": rows, "done": rows, "row_keys": rows, "draft_logits": vec,
-             "head_hidden": vec, "step": P(), "row_steps": P(), "accepted_per_pos": P()}
+             "num_out": rows, "done": rows, "row_keys": rows,
+             "carry": vec, "step": P(), "row_steps": P(), "accepted_per_pos": P()}
     return {f.name: specs[f.name] for f in dataclasses.fields(state)
             if f.name in specs and specs[f.name] is not None and getattr(state, f.name) is not None}
 
