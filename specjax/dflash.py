@@ -129,7 +129,7 @@ class DFlashHead:
     """A DFlash drafter: params (pytree data) plus its static config."""
 
     params: dict
-    config: DFlashConfig = dataclasses.field(metadata=dict(static=True))
+    config: DFlashConfig = dataclasses.field(metadata={"static": True})
 
 
 # ----------------------------------------------------------------------------------- params
@@ -143,7 +143,7 @@ def init_params(cfg: DFlashConfig, key, dtype=jnp.float32, scale: float = 0.02) 
     def w(*shape):
         return (scale * jax.random.normal(next(keys), shape)).astype(dtype)
 
-    ones = lambda n: jnp.ones((n,), dtype)  # noqa: E731
+    ones = lambda n: jnp.ones((n,), dtype)
     layers = [{"attn_norm": ones(h), "wq": w(h, nh * d), "wk": w(h, nkv * d), "wv": w(h, nkv * d),
                "wo": w(nh * d, h), "q_norm": ones(d), "k_norm": ones(d), "mlp_norm": ones(h),
                "w_gate": w(h, f), "w_up": w(h, f), "w_down": w(f, h)}

@@ -74,7 +74,8 @@ def reference_block(hf, head_dir, ids):
     x = emb[torch.tensor([int(ids[-1])] + [dc["mask_token_id"]] * (bs - 1))]  # [B, E]
     qpos, kpos = torch.arange(n, n + bs), torch.arange(n + bs)
     for i in range(c["num_hidden_layers"]):
-        p = lambda s: w[f"layers.{i}.{s}"]  # noqa: E731
+        def p(s, i=i):
+            return w[f"layers.{i}.{s}"]
         y = _rms(x, p("input_layernorm.weight"))
         q = _rms((y @ p("self_attn.q_proj.weight").T).view(bs, nh, d), p("self_attn.q_norm.weight"))
         kin = torch.cat([ctx, y], 0)  # context not input-normed
@@ -239,6 +240,7 @@ def test_training_loss_learns_a_fixed_batch(setup):
     """The DFlash loss (random anchors among answer tokens, weighted CE) has finite gradients and
     a few Adam steps on one batch lower it; anchors never fall in the prompt."""
     import optax
+
     from specjax.train import dflash_train
     _, target, head, _ = setup
     cfg, tp, tcfg = head.config, target.params, target.config
@@ -256,7 +258,10 @@ def test_training_loss_learns_a_fixed_batch(setup):
                                         target_cfg=tcfg, anchors=6, gamma=4.0, seed=0)[0]
     opt = optax.adam(3e-3)
     params, st = head.params, opt.init(head.params)
-    step = jax.jit(lambda p, s: (lambda lv, g: (lv, *opt.update(g, s, p)))(*jax.value_and_grad(loss)(p)))
+    @jax.jit
+    def step(p, s):
+        lv, g = jax.value_and_grad(loss)(p)
+        return (lv, *opt.update(g, s, p))
     first = None
     for _ in range(15):
         lv, upd, st = step(params, st)

@@ -39,7 +39,7 @@ def drafter_config(target_cfg, *, layers: int = 1, block_size: int = 8, mask_tok
     """A drafter with the target's widths (hidden, heads, head dim, MLP) and ``layers`` layers;
     ``target_layer_ids`` default: outputs of layers 1, L//2 - 1, L - 4 (the EAGLE-3 collection's
     states entering 2, L//2, L-3)."""
-    from specjax.heads import default_aux_layers  # noqa: PLC0415
+    from specjax.heads import default_aux_layers
 
     if target_layer_ids is None:
         target_layer_ids = tuple(i - 1 for i in default_aux_layers(target_cfg.num_layers))
@@ -99,7 +99,7 @@ def dflash_loss(params, frozen, tokens, lengths, hidden, prompt_lens, *, cfg, ta
 
 def export_head(params, cfg, target_cfg, out: str, dtype: str = "float16") -> None:
     """Writes the drafter in the published layout (``dflash_io.save_dflash``)."""
-    from specjax.io import dflash_io  # noqa: PLC0415
+    from specjax.io import dflash_io
 
     dflash_io.save_dflash(dflash.DFlashHead(params=params, config=cfg), out,
                           num_target_layers=target_cfg.num_layers, dtype=dtype)
@@ -132,8 +132,8 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr)
 
-    import specjax as sj  # noqa: PLC0415
-    from specjax.train import pipeline, trainer  # noqa: PLC0415
+    import specjax as sj
+    from specjax.train import pipeline, trainer
 
     target = sj.load_model(args.model)
     ids = None if args.target_layer_ids is None else tuple(
@@ -150,7 +150,7 @@ def main(argv=None):
     tc = trainer.TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                              lr=args.lr, warmup=min(50, args.steps // 10), seed=args.seed,
                              save_every=args.save_every, log_every=10)
-    loss = lambda *a: dflash_loss(*a, cfg=cfg, target_cfg=target.config,  # noqa: E731
+    loss = lambda *a: dflash_loss(*a, cfg=cfg, target_cfg=target.config,
                                   anchors=args.anchors, gamma=gamma, seed=args.seed)
     params = dflash.init_params(cfg, jax.random.key(args.seed))
     sig = {"kind": "dflash", "config": dataclasses.asdict(cfg), "shards": args.shards,
