@@ -268,3 +268,37 @@ def test_training_loss_learns_a_fixed_batch(setup):
         params = optax.apply_updates(params, upd)
         first = float(lv) if first is None else first
     assert np.isfinite(first) and float(loss(params)) < first - 0.5
+
+
+def test_train_entry_point_resumes_and_exports(setup, tmp_path):
+    """``python -m specjax.train.dflash_train`` on a tiny corpus: trains, resumes from its orbax
+    state with more steps, and exports a drafter the published-layout loader reads back."""
+    import gzip
+
+    from specjax.train import dflash_train
+    hf, target, _, _ = setup
+    rng = np.random.RandomState(2)
+    for split in ("train", "held"):
+        os.makedirs(tmp_path / split)
+        with gzip.open(tmp_path / split / "answers-00000.jsonl.gz", "wt") as f:
+            for _ in range(8):
+                n = int(rng.randint(20, 40))
+                f.write(json.dumps({"ids": rng.randint(3, 97, n).tolist(), "prompt_len": 6,
+                                    "domain": "chat", "source": "t", "temperature": 0.0}) + "\n")
+    hf.save_pretrained(tmp_path / "target")
+    argv = ["--out", str(tmp_path / "run"), "--model", str(tmp_path / "target"),
+            "--corpus", str(tmp_path / "train"), "--held-out-corpus", str(tmp_path / "held"),
+            "--shards", "1", "--layers", "1", "--block-size", "4", "--target-layer-ids", "0,2",
+            "--mask-token-id", "5", "--anchors", "4", "--batch-size", "2", "--seq-len", "48",
+            "--save-every", "3", "--eval-batches", "2"]
+    assert dflash_train.main(argv + ["--steps", "3"]) == 0
+    with open(tmp_path / "run" / "log.jsonl") as f:
+        assert [json.loads(x)["step"] for x in f] == [1]
+    assert dflash_train.main(argv + ["--steps", "6", "--export", str(tmp_path / "out")]) == 0
+    with open(tmp_path / "run" / "log.jsonl") as f:
+        steps = [json.loads(x)["step"] for x in f]
+    assert steps == [1, 4], steps  # the second run resumed at step 3
+    head = dflash_io.load_dflash(tmp_path / "out", target.config)
+    assert head.config.block_size == 4 and head.config.target_layer_ids == (0, 2)
+    with open(tmp_path / "run" / "held_out.json") as f:
+        assert np.isfinite(json.load(f)["loss"])

@@ -70,7 +70,7 @@ def dflash_loss(params, frozen, tokens, lengths, hidden, prompt_lens, *, cfg, ta
     """(loss, metrics) of one batch (``trainer.fit``'s contract). hidden: [N, T, E + A*E]
     (final hidden states first, as ``collect_features`` stores them). Anchors are drawn from a
     key folded from the batch's tokens (deterministic per batch, different across batches).
-    Metrics: acc1 (first draft top-1), acc (all rows), tau (teacher-forced accepted length of a
+    Metrics: loss, acc1 (first draft top-1), acc (all rows), tau (teacher-forced accepted length of a
     greedy chain over the block: 1 + sum_k prod_{j<=k} correct_j)."""
     n, t = tokens.shape
     bs = cfg.block_size
@@ -93,7 +93,7 @@ def dflash_loss(params, frozen, tokens, lengths, hidden, prompt_lens, *, cfg, ta
     tau = 1.0 + jnp.sum(jnp.cumprod(correct, axis=-1), axis=-1)
     metrics = {"acc1": jnp.sum(correct[..., 0]) / jnp.maximum(jnp.sum(present[..., 0]), 1),
                "acc": jnp.sum(correct) / jnp.maximum(jnp.sum(present), 1),
-               "tau": jnp.sum(tau * full) / jnp.maximum(jnp.sum(full), 1)}
+               "tau": jnp.sum(tau * full) / jnp.maximum(jnp.sum(full), 1), "loss": loss}
     return loss, metrics
 
 
