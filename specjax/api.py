@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import heads, kv_cache, native, registry, request, speculate
+from specjax import dflash, heads, kv_cache, native, registry, request, speculate
+from specjax.dflash import DFlashHead
+from specjax.io import dflash_io
 from specjax.heads import Head, cast_floats
 from specjax.config import ModelConfig, SpecConfig
 from specjax.model import Model, check_params
@@ -107,6 +109,8 @@ def load_draft(path, target: Model, dtype=None):
         draft = dataclasses.replace(path, params=cast_floats(path.params, dtype))
     elif isinstance(path, str) and heads_io.is_eagle3_dir(path):
         draft = heads_io.load_eagle3(path, target.config, dtype, target_params=target.params)
+    elif isinstance(path, str) and dflash_io.is_dflash_dir(path):
+        draft = dflash_io.load_dflash(path, target.config, dtype)
     elif isinstance(path, str) and checkpoint.is_checkpoint(path):
         kind = checkpoint.checkpoint_kind(path)
         if kind == "head":
@@ -129,7 +133,9 @@ def load_draft(path, target: Model, dtype=None):
         draft = Head(params=cast_floats(mtp.params, dtype), config=mtp.config)
     else:
         draft = load_model(path, dtype)
-    check_draft(draft, target, draft.config.kind if isinstance(draft, Head) else "draft")
+    kind = (draft.config.kind if isinstance(draft, Head)
+            else "dflash" if isinstance(draft, DFlashHead) else "draft")
+    check_draft(draft, target, kind)
     return draft
 
 
@@ -167,6 +173,12 @@ def check_draft(draft, target: Model, method: str = "draft") -> None:
         return
     if draft is None:
         raise ValueError(f'method="{method}" needs a draft (draft=...)')
+    if method == "dflash":
+        if not isinstance(draft, DFlashHead):
+            raise TypeError(f'method="dflash" needs a DFlash drafter (specjax.dflash.DFlashHead), '
+                            f"got {type(draft).__name__}")
+        draft.config.check_target(target.config)
+        return
     if method == "custom":
         if not isinstance(draft, speculate.Custom):
             raise TypeError('method="custom" needs draft=specjax.speculate.Custom(drafter, params), '
@@ -255,7 +267,8 @@ def _draft_logits_jit(params, cfg, head_params, head_cfg, tokens, length):
 
 
 def draft_logits(target: Model, head, token_ids: Sequence[int]) -> np.ndarray:
-    """Teacher-forced first-step draft logits of a head (MTP, EAGLE-1 or EAGLE-3).
+    """Teacher-forced first-step draft logits of a head (MTP, EAGLE-1 or EAGLE-3), or a DFlash
+    block drafter's block logits.
 
     Args:
       target: the target Model the head drafts for.
@@ -265,10 +278,16 @@ def draft_logits(target: Model, head, token_ids: Sequence[int]) -> np.ndarray:
       float32 [T-1, V]: row j is the head's logits from the target's features at position j and
       token j+1, i.e. its prediction of token j+2 (the first draft it would propose after
       committing tokens 0..j+1). Tokens outside a reduced draft vocabulary get <= -1e9.
+      For a ``specjax.dflash.DFlashHead``: float32 [B-1, V], the block drafted after
+      ``token_ids`` (context = the target features of token_ids[:-1], the block anchored at
+      token_ids[-1]; row i drafts the token i+1 positions after it).
     """
 
     if not isinstance(target, Model):
         raise TypeError(f"target must be a specjax Model, got {type(target).__name__}")
+    if isinstance(head, DFlashHead):  # a block drafter: its [B-1, V] block after token_ids
+        request.check_tokens(token_ids, target.config.vocab_size, "token_ids")
+        return dflash.block_logits(target, head, token_ids)
     if not isinstance(head, Head):
         raise TypeError(f"head must be a specjax.heads.Head, got {type(head).__name__}")
     check_draft(head, target, head.config.kind)
@@ -415,7 +434,9 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
                     eos_token_id, tokenizer)
     tokenizer = req.tokenizer  # string prompts may have loaded the built-in one
     # 2. pack the batch into shape buckets
-    run, arrays, sizes = _pack(target.config, spec, req, mesh)
+    ahead = speculate.make_plan(target.config, None if draft is None else draft.config,
+                                spec).drafter.slots_ahead
+    run, arrays, sizes = _pack(target.config, spec, req, mesh, ahead)
     b, k_eff = len(req.rows), spec.k_eff
     # 3. run: one jitted call, one host read. Any device->host transfer while it is dispatched
     # raises (on accelerators); the compiled loop holds no host callbacks either
@@ -542,7 +563,7 @@ def _validate(target, draft, spec: SpecConfig, prompts, max_new_tokens, temperat
                     seed=seed, eos=eos, tokenizer=tokenizer)
 
 
-def _pack(cfg: ModelConfig, spec: SpecConfig, req: _Request, mesh):
+def _pack(cfg: ModelConfig, spec: SpecConfig, req: _Request, mesh, slots_ahead: int = 0):
     """Pads the batch to shape buckets so nearby sizes share one compilation.
 
     Returns (run, arrays, sizes): the device function (single-device or sharded), its array
@@ -553,7 +574,8 @@ def _pack(cfg: ModelConfig, spec: SpecConfig, req: _Request, mesh):
     tp = _bucket(longest)
     k_eff = spec.k_eff
     out_len = _bucket(req.max_new_tokens) + k_eff + 1
-    ppseq = kv_cache.pages_needed(tp + out_len + k_eff + 1 + spec.extra_slots, spec.page_size)
+    ppseq = kv_cache.pages_needed(tp + out_len + k_eff + 1 + max(spec.extra_slots, slots_ahead),
+                                  spec.page_size)
     # Dummy rows finish at prefill (max_new = 1); real rows' streams (seed, i) are unaffected.
     bp = _batch_bucket(b)
     run = speculate.generate_device

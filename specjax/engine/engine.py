@@ -49,7 +49,7 @@ import warnings
 import jax
 import numpy as np
 
-from specjax import native, registry, request
+from specjax import native, registry, request, speculate
 from specjax.api import check_draft
 from specjax.config import SpecConfig
 from specjax.engine import steps
@@ -242,7 +242,10 @@ class Engine:
         self.batch_buckets, self.token_buckets = batch_buckets, token_buckets
         self.k_eff = spec.k_eff  # most drafts one step accepts (the tree depth for trees)
         # A step adds at most k_eff + 1 tokens and writes at most `write_ahead` slots from n - 1.
-        write_ahead = spec.extra_slots if self.k_eff else 1
+        # (a block drafter writes its whole block from n - 1: Drafter.slots_ahead)
+        ahead = speculate.make_plan(target.config, None if draft is None else draft.config,
+                                    spec).drafter.slots_ahead
+        write_ahead = max(spec.extra_slots, ahead) if self.k_eff else 1
         pages_per_seq = pages_needed(cfg.max_model_len + self.k_eff + 1 + write_ahead,
                                      spec.page_size)
         num_pages = cfg.num_pages or cfg.max_slots * pages_per_seq

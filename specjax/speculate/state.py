@@ -7,7 +7,8 @@ Per row b, with n = lengths[b] committed tokens x_0..x_{n-1}:
     (specjax.speculate.drafters): the loop never looks inside them;
   * cache slots at or beyond those counts are stale and never read.
 
-``Models`` (params) and ``Plan`` (static) are what every step function takes:
+The pytrees are ``flax.struct`` dataclasses (frozen, registered with JAX, every field a
+pytree node), as gemma's sampler state is. ``Models`` (params) and ``Plan`` (static) are what every step function takes:
 ``step(models, state, rp, plan)``. ``RowParams`` are the per-row sampling settings (traced, so
 one compile serves every request mix). ``commit`` appends a step's tokens and advances the
 invariants; ``emit`` truncates at EOS / max_new.
@@ -19,6 +20,7 @@ import dataclasses
 from typing import Any
 
 import jax
+from flax import struct
 import jax.numpy as jnp
 from jax import lax
 
@@ -29,8 +31,7 @@ from specjax.sampling import step_keys
 LAG_WINDOW = 16  # W: plain steps a drafter may fall behind before it is caught up
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class Models:
     """The params of one decoding setup (traced)."""
 
@@ -51,8 +52,7 @@ class Plan:
         return dataclasses.replace(self, lc=dataclasses.replace(self.lc, **changes))
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class DecodeState:
     """Everything a generation carries between steps (a pytree; the caches are donated)."""
 
@@ -99,8 +99,7 @@ class DecodeState:
         return self.carry.get("hidden")
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class RowParams:
     """Per-row request parameters (traced, so one compile serves every request mix)."""
 
@@ -111,8 +110,7 @@ class RowParams:
     eos_ids: jax.Array  # [NE] int32 stop tokens (-1 = unused slot)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class Drafts:
     """One step's chain proposal (what ``Drafter.propose`` returns)."""
 
@@ -124,8 +122,7 @@ class Drafts:
     from_ngram: jax.Array | None = None  # [B] bool hybrid rows that took the n-gram proposal
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class Verified:
     """What a verify pass and acceptance tell the drafter (``Drafter.absorb``)."""
 

@@ -35,13 +35,13 @@ import dataclasses
 from typing import Any
 
 import jax
+from flax import struct
 import jax.numpy as jnp
 
 from specjax.speculate.state import Drafts, pick_draft
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class Span:
     """A span the target has just processed, for ``Drafter.extend``."""
 
@@ -76,6 +76,7 @@ class Drafter:
     def absorb(self, models, state, drafts: Drafts, verified):
         raise NotImplementedError
 
+    slots_ahead = 0  # cache slots a step writes from n-1 on, beyond k+1 (block drafters)
     uses_history = False  # needs DecodeState.history (n-gram lookups)
     may_skip = False  # has any_proposal(state): a step where no row proposes is a plain step
 
