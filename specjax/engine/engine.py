@@ -54,7 +54,7 @@ from specjax.api import check_draft
 from specjax.config import SpecConfig
 from specjax.engine import steps
 from specjax.engine.allocator import PageAllocator
-from specjax.engine.metrics import EngineMetrics
+from specjax.engine.metrics import EngineMetrics, request_spec_stats
 from specjax.engine.scheduler import FINISHED, WAITING, Request, Scheduler, bucket
 from specjax.kv_cache import pages_needed
 from specjax.model import Model
@@ -140,6 +140,7 @@ class RequestHandle:
         self._engine = engine
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
+        self._req = None  # the engine's Request (set by submit)
 
     def _push(self, new, reason) -> None:
         self.tokens.extend(new)
@@ -149,6 +150,12 @@ class RequestHandle:
         self._queue.put((new, reason))
         if reason is not None:
             self._done.set()
+
+    def spec_stats(self, num_tokens: int | None = None) -> dict:
+        """This request's speculation numbers (``specjax.engine.metrics.request_spec_stats``),
+        counted from its first ``num_tokens`` generated tokens (default: all received so far)."""
+        n = len(self.tokens) if num_tokens is None else num_tokens
+        return request_spec_stats(list(self._req.spec_steps), n, self._engine.k_eff)
 
     def _next_chunk(self):
         while True:
@@ -313,6 +320,7 @@ class Engine:
                       temperature=float(params.temperature), top_k=min(int(params.top_k), v),
                       top_p=float(params.top_p), seed=int(seed), stop=frozenset(stop),
                       arrival=time.perf_counter(), handle=handle, callback=callback)
+        handle._req = req
         self._submitted.put(req)
         self._wake.set()
         return handle
@@ -326,7 +334,26 @@ class Engine:
         """
         if not _is_int(request_id):
             raise TypeError(f"request_id must be an int, got {request_id!r}")
-        self._aborts.put(int(request_id))
+        self._aborts.put((int(request_id), None))
+        self._wake.set()
+
+    def finish_stopped(self, request_id: int, num_tokens: int) -> None:
+        """Ends a request whose client found a stop string in its text, as a *success*.
+
+        Safe to call from any thread, a no-op once the request has finished. Applied at the start
+        of the next ``step()`` like ``abort`` (slot and pages go back, in-flight results are
+        discarded), but the request counts as finished by "stop": it is in
+        ``request_success_total`` and the latency histograms (its end-to-end latency is taken at
+        the last token it received), and only its first ``num_tokens`` generated tokens (those
+        the client returns: up to the one that completed the stop string) stay in
+        ``handle.tokens`` and ``generation_tokens_total``. Its handle finishes with
+        ``finish_reason`` "stop" (callback called with no new tokens).
+        """
+        if not _is_int(request_id):
+            raise TypeError(f"request_id must be an int, got {request_id!r}")
+        if not _is_int(num_tokens) or num_tokens < 1:
+            raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
+        self._aborts.put((int(request_id), int(num_tokens)))
         self._wake.set()
 
     def generate(self, prompts, params: RequestParams | None = None) -> list:
@@ -437,18 +464,28 @@ class Engine:
     def _drain_aborts(self) -> None:
         while True:
             try:
-                req = self._live.pop(self._aborts.get_nowait(), None)
+                rid, keep = self._aborts.get_nowait()
             except queue.Empty:
                 return
+            req = self._live.pop(rid, None)
             if req is None:
                 continue  # already finished (or never submitted)
+            reason = "abort" if keep is None else "stop"
             if req.state == WAITING:
                 self.scheduler.waiting.remove(req)
-                req.state, req.finish_reason = FINISHED, "abort"
+                req.state, req.finish_reason = FINISHED, reason
             else:  # prefill / decode: slot and pages go back; in-flight results are discarded
-                self.scheduler.finish(req, "abort")
-            self.metrics.request_finished_by_reason["abort"] += 1
-            self._outbox.append((req, [], "abort"))
+                self.scheduler.finish(req, reason)
+            m = self.metrics
+            m.request_finished_by_reason[reason] += 1
+            if keep is not None:  # a stop string: a success, counting only the returned tokens
+                extra = max(0, len(req.output) - keep)
+                m.generation_tokens_total -= extra
+                del req.output[keep:]
+                req.handle.tokens[keep:] = []
+                m.request_success_total += 1
+                self._observe_finish(req, req.last_token_at or time.perf_counter())
+            self._outbox.append((req, [], reason))
 
     def _row_dict(self, row) -> dict:
         r = row.req
@@ -517,9 +554,11 @@ class Engine:
             req.inflight_growth -= row.growth
             if plan.kind == "spec":
                 count = int(host[1][i])
+                start = len(req.output)
                 kept = self._append(req, host[0][i, :count].tolist(), now)
                 # count only what reached the request (its stop / max_tokens may cut drafts)
                 self.metrics.observe_spec(min(count - 1, kept), kept, int(host[2][i]))
+                req.spec_steps.append((start, count - 1, int(host[2][i])))
             elif row.commit:
                 self._append(req, [int(host[0][i])], now)
         return now - t
@@ -551,13 +590,17 @@ class Engine:
             self._live.pop(req.id, None)
             m.request_success_total += 1
             m.request_finished_by_reason[reason] += 1
-            e2e = now - req.arrival
-            m.observe("e2e_request_latency_seconds", e2e)
-            if len(req.output) > 1:
-                m.observe("time_per_output_token_seconds",
-                          (now - req.first_token_at) / (len(req.output) - 1))
+            self._observe_finish(req, now)
         self._outbox.append((req, new, reason))
         return len(new)
+
+    def _observe_finish(self, req: Request, now: float) -> None:
+        """End-of-request latency samples of a successful request that finished at ``now``."""
+        m = self.metrics
+        m.observe("e2e_request_latency_seconds", now - req.arrival)
+        if len(req.output) > 1 and req.first_token_at is not None:
+            m.observe("time_per_output_token_seconds",
+                      (now - req.first_token_at) / (len(req.output) - 1))
 
     def _deliver(self) -> None:
         outbox, self._outbox = self._outbox, []

@@ -41,6 +41,40 @@ def _summary(values) -> dict:
             "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
 
 
+def request_spec_stats(spec_steps, num_tokens: int, k: int) -> dict:
+    """One request's speculation numbers (vLLM's per-request spec metrics), from the tokens it
+    received.
+
+    Args:
+      spec_steps: one ``(start, accepted, drafted)`` per speculative step of the request: the
+        index in its output of the step's first token, drafts the verifier accepted, drafts
+        proposed (0: the row proposed none, not counted).
+      num_tokens: tokens the request returned (a stop token, stop string or max_tokens may cut a
+        step: only the drafts among its first ``num_tokens`` tokens count).
+      k: K, the most drafts one step can accept.
+    Returns:
+      ``{"num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos"
+      [K], "mean_acceptance_length"}``: the last = tokens received from speculative steps /
+      drafts (1 + accepted / drafts unless a step was cut; None without drafts).
+    """
+    drafts = draft_tokens = accepted = emitted = 0
+    per_pos = [0] * k
+    for start, acc, drafted in spec_steps:
+        got = min(acc + 1, num_tokens - start)
+        if drafted == 0 or got <= 0:
+            continue
+        a = min(acc, got)
+        drafts += 1
+        draft_tokens += drafted
+        accepted += a
+        emitted += got
+        for i in range(a):
+            per_pos[i] += 1
+    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens,
+            "num_accepted_tokens": accepted, "num_accepted_tokens_per_pos": per_pos,
+            "mean_acceptance_length": emitted / drafts if drafts else None}
+
+
 class EngineMetrics:
     """Accumulates the engine's counters and latency samples (see the module docstring)."""
 

@@ -69,6 +69,8 @@ class Request:
     last_token_at: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # one (output index of its first token, accepted drafts, drafts proposed) per speculative step
+    spec_steps: list = dataclasses.field(default_factory=list)
 
     @property
     def num_known(self) -> int:
