@@ -115,7 +115,7 @@ class Scheduler:
 
     def __init__(self, allocator: PageAllocator, *, num_slots: int, token_buckets, k_eff: int,
                  write_ahead: int, speculative: bool, spec_max_batch: int | None, pages_per_seq: int,
-                 max_prefill_tokens: int | None):
+                 max_prefill_tokens: int | None, prefix_caching: bool = False):
         self.alloc = allocator
         self.num_slots = num_slots
         self.token_buckets = tuple(token_buckets)
@@ -129,6 +129,9 @@ class Scheduler:
         self.running: list = []  # admission order (latest last = first preemption victim)
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.num_preemptions = 0
+        self.prefix_caching = prefix_caching
+        self.prefix_cache_queries = 0  # tokens looked up at admission (vLLM's counters)
+        self.prefix_cache_hits = 0  # of those, tokens found cached (not prefilled)
         self._last_prefill_only = False  # the previous plan ran prefill rows without decode rows
 
     # -------------------------------------------------------------------------- bookkeeping
@@ -203,14 +206,21 @@ class Scheduler:
             while self.waiting and self.free_slots and budget > 0:
                 r = self.waiting[0]
                 seq = r.prompt + r.output
-                c = int(min(len(seq), tmax, budget))
-                n = self.alloc.pages_for(min(c + self.ahead, self.max_tokens_per_seq))
-                if n + spare > self.alloc.num_free:
+                # cached full pages of the prefix, never the last token (it is prefilled: the
+                # drafter's carried logits / hidden state are per slot)
+                hit = self.alloc.lookup(seq, len(seq) - 1) if self.prefix_caching else []
+                h = len(hit) * self.alloc.page_size
+                c = int(min(len(seq) - h, tmax, budget))
+                n = self.alloc.pages_for(min(h + c + self.ahead, self.max_tokens_per_seq)) - len(hit)
+                if n + self.alloc.num_evictable(hit) + spare > self.alloc.num_free:
                     break
                 self.waiting.popleft()
                 r.slot = self.free_slots.pop()
-                r.pages = self.alloc.allocate(n, r)
-                r.seq, r.num_prefilled, r.state = seq, 0, PREFILL
+                r.pages = self.alloc.acquire(hit, r) + self.alloc.allocate(n, r)
+                r.seq, r.num_prefilled, r.state = seq, h, PREFILL
+                if self.prefix_caching:
+                    self.prefix_cache_queries += len(seq)
+                    self.prefix_cache_hits += h
                 if r.admitted_at is None:
                     r.admitted_at = now
                 self.running.append(r)
@@ -228,6 +238,8 @@ class Scheduler:
                                 start=start, tokens=r.seq[start:start + c], final=final,
                                 next_token=0 if final else r.seq[start + c]))
                 r.num_prefilled += c
+                if self.prefix_caching:  # KV of these pages is written by this step
+                    self.alloc.register(r.pages, r.seq, min(r.num_prefilled, len(r.seq) - 1), r)
                 if final:
                     r.state = DECODE  # from the next step on, the device holds its state
         self._last_prefill_only = False
