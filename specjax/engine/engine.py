@@ -80,6 +80,49 @@ class RequestParams:
     stop_token_ids: tuple | None = None
 
 
+def parse_spec_tokens_per_batch_size(text: str) -> tuple:
+    """Parses ``specjax serve --spec-tokens-per-batch-size`` (a JSON list like vLLM's
+    ``[[1, 8, 3], [9, 16, 1], [17, 64, 0]]``: batch sizes lo..hi draft k tokens, 0 = plain) into
+    EngineConfig's ``num_speculative_tokens_per_batch_size``; the Engine validates the ranges."""
+    import json  # noqa: PLC0415
+
+    if not isinstance(text, str):
+        raise TypeError(f"spec tokens per batch size must be a JSON string, got {text!r}")
+    try:
+        table = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"spec tokens per batch size is not JSON: {e}") from None
+    if not isinstance(table, list) or not all(
+            isinstance(r, list) and len(r) == 3 and all(_is_int(x) for x in r) for r in table):
+        raise ValueError(f"spec tokens per batch size must be a list of [lo, hi, k] int "
+                         f"triples, got {text!r}")
+    return tuple(tuple(r) for r in table)
+
+
+def check_spec_table(table, max_slots: int, num_draft_tokens: int) -> tuple:
+    """Validates ``num_speculative_tokens_per_batch_size``: [lo, hi, k] int rows, sorted, without
+    gaps or overlaps, covering batch sizes 1..max_slots, 0 <= k <= num_draft_tokens."""
+    name = "num_speculative_tokens_per_batch_size"
+    try:
+        rows = tuple(tuple(r) for r in table)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of (lo, hi, k), got {table!r}") from None
+    if not rows or not all(len(r) == 3 and all(_is_int(x) for x in r) for r in rows):
+        raise ValueError(f"{name} must be non-empty (lo, hi, k) int triples, got {table!r}")
+    expect = 1
+    for lo, hi, k in rows:
+        if lo != expect or hi < lo:
+            raise ValueError(f"{name}: ranges must start at 1 and follow each other without "
+                             f"gaps or overlaps (lo <= hi), got {table!r}")
+        if not 0 <= k <= num_draft_tokens:
+            raise ValueError(f"{name}: k = {k} outside 0..num_draft_tokens ({num_draft_tokens})")
+        expect = hi + 1
+    if expect <= max_slots:
+        raise ValueError(f"{name} covers batch sizes up to {expect - 1}, not max_slots "
+                         f"{max_slots}")
+    return tuple((int(lo), int(hi), int(k)) for lo, hi, k in rows)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Static engine settings.
@@ -98,6 +141,11 @@ class EngineConfig:
       batches decode plainly (None = always speculate).
     seed: seeds the streams of requests submitted without one.
     record_timeline: keep per-step host/device timestamps in ``Engine.timeline``.
+    num_speculative_tokens_per_batch_size: vLLM's table ``((lo, hi, k), ...)``: a speculative
+      step of a decode batch of lo..hi rows drafts k tokens (0 = a plain step); one compiled
+      step variant per (batch bucket, k). Chain methods without ``spec.adaptive`` only; ranges
+      cover 1..max_slots, 0 <= k <= ``spec.num_draft_tokens`` (``check_spec_table``; a JSON
+      string parses with ``parse_spec_tokens_per_batch_size``). None = always ``k``.
     enable_prefix_caching: reuse the KV pages of full prompt pages across requests
       (``specjax.engine.allocator``: hash chain over page contents, reference counts, an LRU of
       free cached pages); a request's prefill starts at its first uncached token, and at least
@@ -124,6 +172,7 @@ class EngineConfig:
     seed: int = 0
     record_timeline: bool = False
     enable_prefix_caching: bool = False
+    num_speculative_tokens_per_batch_size: tuple | None = None
 
 
 def _is_int(x) -> bool:
@@ -281,12 +330,23 @@ class Engine:
         # a head's KV at position j consumes token j + 1 (module docstring of the allocator)
         lookahead = 0 if spec.method in ("none", "draft", "ngram") else 1
         self.allocator = PageAllocator(num_pages, spec.page_size, lookahead=lookahead)
+        k_table = cfg.num_speculative_tokens_per_batch_size
+        self._spec_sc = {}  # k -> StepConfig of a speculative step drafting k tokens
+        if k_table is not None:
+            if spec.tree is not None or spec.adaptive or self.k_eff != spec.num_draft_tokens:
+                raise ValueError("num_speculative_tokens_per_batch_size needs a chain method "
+                                 "without adaptive k")
+            k_table = check_spec_table(k_table, cfg.max_slots, spec.num_draft_tokens)
+            for _, _, k in k_table:
+                if k > 0:
+                    self._spec_sc[k] = dataclasses.replace(
+                        self.sc, lc=dataclasses.replace(spec, num_draft_tokens=k))
         self.scheduler = Scheduler(
             self.allocator, num_slots=cfg.max_slots, token_buckets=token_buckets, k_eff=self.k_eff,
             write_ahead=write_ahead,
             speculative=self.k_eff > 0, spec_max_batch=cfg.spec_max_batch,
             pages_per_seq=pages_per_seq, max_prefill_tokens=cfg.max_prefill_tokens,
-            prefix_caching=cfg.enable_prefix_caching)
+            prefix_caching=cfg.enable_prefix_caching, k_table=k_table)
         self.metrics = EngineMetrics(self.k_eff)
         self.timeline: list = []
         self.host_time_s = 0.0  # time in step() not spent blocked on the device
@@ -522,12 +582,12 @@ class Engine:
             self._costs[batch] = jax.device_put(np.asarray(costs, np.float32))
         return self._costs[batch]
 
-    def _call(self, kind: str, meta):
+    def _call(self, kind: str, meta, k: int = 0):
         if kind == "spec":
             extra = (self._cost(meta.shape[0]),) if self.config.spec.adaptive else ()
             out = steps.spec_decode_step(self._target_params, self._draft_params, self._state, meta,
                                          *extra, target_cfg=self.target.config,
-                                         draft_cfg=self._draft_cfg, sc=self.sc)
+                                         draft_cfg=self._draft_cfg, sc=self._spec_sc.get(k, self.sc))
             self._state = out[0]
             return out[1:]
         out = steps.extend_step(self._target_params, self._draft_params, self._state, meta,
@@ -538,7 +598,7 @@ class Engine:
     def _dispatch(self, plan, t0: float, t_planned: float) -> None:
         b = bucket(len(plan.rows), self.batch_buckets)
         meta = steps.pack([self._row_dict(r) for r in plan.rows], self.sc, b, plan.t)
-        outputs = self._call(plan.kind, jax.device_put(meta))
+        outputs = self._call(plan.kind, jax.device_put(meta), plan.k)
         for row in plan.rows:
             row.req.inflight_growth += row.growth
         now = time.perf_counter()
@@ -631,13 +691,12 @@ class Engine:
 
     # ------------------------------------------------------------------------- tooling
     def variants(self) -> list:
-        """Every (kind, batch, T) step shape the scheduler can produce."""
+        """Every (kind, batch, T) step shape the scheduler can produce (T = k for "spec")."""
         out = [("extend", b, t) for b in self.batch_buckets for t in self.token_buckets]
         for n in range(1, self.config.max_slots + 1):
             b = bucket(n, self.batch_buckets)
-            spec = self.k_eff > 0 and (self.config.spec_max_batch is None
-                                       or n <= self.config.spec_max_batch)
-            v = ("spec", b, 0) if spec else ("extend", b, 1)
+            k = self.scheduler.k_for(n)
+            v = ("spec", b, k) if self.scheduler._speculates(n) else ("extend", b, 1)
             if v not in out:
                 out.append(v)
         return out
@@ -651,7 +710,8 @@ class Engine:
             raise RuntimeError("warmup() must run before any request is dispatched")
         vs = self.variants()
         for kind, b, t in vs:
-            outs = self._call(kind, jax.device_put(steps.pack([], self.sc, b, t)))
+            k, t = (t, 0) if kind == "spec" else (0, t)
+            outs = self._call(kind, jax.device_put(steps.pack([], self.sc, b, t)), k)
             jax.block_until_ready(outs)
         return len(vs)
 

@@ -100,6 +100,7 @@ class Plan:
     kind: str
     rows: list
     t: int  # token bucket (0 for "spec")
+    k: int = 0  # drafts per row of a "spec" step (EngineConfig.num_speculative_tokens_per_batch_size)
 
 
 def bucket(n: int, buckets) -> int:
@@ -115,7 +116,8 @@ class Scheduler:
 
     def __init__(self, allocator: PageAllocator, *, num_slots: int, token_buckets, k_eff: int,
                  write_ahead: int, speculative: bool, spec_max_batch: int | None, pages_per_seq: int,
-                 max_prefill_tokens: int | None, prefix_caching: bool = False):
+                 max_prefill_tokens: int | None, prefix_caching: bool = False,
+                 k_table: tuple | None = None):
         self.alloc = allocator
         self.num_slots = num_slots
         self.token_buckets = tuple(token_buckets)
@@ -130,6 +132,8 @@ class Scheduler:
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.num_preemptions = 0
         self.prefix_caching = prefix_caching
+        self.k_table = k_table  # ((lo, hi, k), ...) drafts per decode batch size; None = k_eff
+        self.k_eff = k_eff
         self.prefix_cache_queries = 0  # tokens looked up at admission (vLLM's counters)
         self.prefix_cache_hits = 0  # of those, tokens found cached (not prefilled)
         self._last_prefill_only = False  # the previous plan ran prefill rows without decode rows
@@ -254,13 +258,21 @@ class Scheduler:
                     row.growth = 1
             return Plan("extend", rows, bucket(max(chunks.values()), self.token_buckets))
         if self._speculates(len(rows)):
+            k = self.k_for(len(rows))
             for row in rows:
-                row.growth = self.k1
-            return Plan("spec", rows, 0)
+                row.growth = k + 1
+            return Plan("spec", rows, 0, k)
         for row in rows:
             row.growth = 1
         return Plan("extend", rows, 1)
 
+    def k_for(self, num_decode: int) -> int:
+        """Drafts per row for a decode-only step of this many rows (0 = plain)."""
+        if self.k_table is None:
+            return self.k_eff
+        return next(k for lo, hi, k in self.k_table if lo <= num_decode <= hi)
+
     def _speculates(self, num_decode: int) -> bool:
         """Whether a decode-only step of this many rows is speculative."""
-        return self.speculative and (self.spec_max_batch is None or num_decode <= self.spec_max_batch)
+        return (self.speculative and self.k_for(num_decode) > 0
+                and (self.spec_max_batch is None or num_decode <= self.spec_max_batch))
