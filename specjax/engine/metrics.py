@@ -22,7 +22,8 @@ Counters and histograms are plain Python (host side, updated when a step's resul
   token).
 * gauges: ``num_requests_running``, ``num_requests_waiting`` (queue depth; SGLang
   ``num_queue_reqs``), ``kv_cache_usage_perc`` (fraction of pages in use; SGLang ``token_usage``).
-* counters: ``request_success_total`` (finished by a stop token or the length limit),
+* counters: ``request_success_total`` (finished by a stop token, a stop string found by the
+  server (``Engine.finish_stopped``) or the length limit),
   ``request_finished_by_reason`` ("stop" / "length" / "abort", vLLM's ``finished_reason``
   label), steps by kind. ``Engine.stats()`` adds ``num_preemptions_total`` (the scheduler's).
 """

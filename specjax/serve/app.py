@@ -9,8 +9,10 @@ are coroutines on the event loop and never block it. A handler validates the req
 it (``Engine.submit`` only queues) with a callback that the engine thread calls per delivered
 token batch; the callback hands the batch to the handler's ``asyncio.Queue`` through
 ``loop.call_soon_threadsafe``. Detokenization and stop-string matching run on the event loop.
-A client that disconnects (or a stop string that matches) aborts its engine request
-(``Engine.abort``: slot and pages go back at the next step).
+A client that disconnects aborts its engine request (``Engine.abort``: slot and pages go back at
+the next step); a stop string that matches ends it as a success (``Engine.finish_stopped``: a
+"stop" finish in ``request_success_total`` and the latency histograms, counting only the tokens
+up to the one that completed the stop string, which is also what ``usage`` reports).
 
 Admission: at most ``max_slots + max_queue`` requests are in the server at once (those beyond
 the slots wait in the engine's queue); one more gets HTTP 503 with an OpenAI-style JSON error.
