@@ -156,3 +156,48 @@ def test_prefix_cache_counters_on_metrics(target, drafts):  # noqa: F811
     got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert got["vllm:prefix_cache_queries_total"] == 3 * len(p)
     assert got["vllm:prefix_cache_hits_total"] == 20  # the two first ones were admitted together
+
+
+def prompt_kv(engine, pages, n):
+    """[layers, 2, Hkv, n, D] target and draft KV of positions 0..n-1 through ``pages``."""
+    out = []
+    for kv in (engine._state.target_kv, engine._state.draft_kv):
+        if kv is None:
+            continue
+        for pool in (kv.k, kv.v):
+            for a in pool:  # [Hkv, P, S, D]
+                a = np.asarray(a)[:, pages]
+                out.append(a.reshape(a.shape[0], -1, a.shape[-1])[:, :n])
+    return out
+
+
+@pytest.mark.parametrize("method", ["draft", "mtp", "eagle-tree"])
+def test_drafter_state_of_a_cached_prefix_is_exact(target, drafts, method):  # noqa: F811
+    """Outputs cannot show a wrong drafter state (verification is lossless), the pools can:
+    requests run one at a time must see the same target and draft / head KV at every prompt
+    position, and get the same drafts accepted, with and without the cache. The second family of
+    prompts diverges right at a page boundary (token 20), where a head's KV of the cached page's
+    last position would have consumed the wrong next token."""
+    rng = np.random.default_rng(5)
+    prompts = [PREFIX + rng.integers(0, 64, 2).tolist() for _ in range(3)]
+    prompts += [PREFIX[:20] + rng.integers(0, 64, 3).tolist() for _ in range(3)]
+    runs = {}
+    for cached in (False, True):
+        engine = make(target, drafts, method, num_pages=80, enable_prefix_caching=cached)
+        out = []
+        for p in prompts:
+            h = engine.submit(p, RequestParams(max_tokens=8, stop_token_ids=()))
+            while not h.tokens:  # the prefill ran and its first token was read back
+                engine.step()
+            kv = prompt_kv(engine, list(h._req.pages), len(p) - 1)
+            engine.run()
+            out.append((h.result(), h.spec_stats(), kv))
+        runs[cached] = out, engine.stats()["prefix_cache_hits"]
+    (plain, _), (cached, hits) = runs[False], runs[True]
+    for i, ((tp, sp, kp), (tc, sc, kc)) in enumerate(zip(plain, cached)):
+        assert tc == tp == alone(target, prompts[i], 8)
+        for a, b in zip(kp, kc):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=f"{method}: prompt {i}")
+        assert sc == sp, f"{method}: prompt {i}: drafts differ with the cache: {sc} != {sp}"
+    # a head's page 4 is keyed with token 20 too: the second family finds only pages 0..3
+    assert hits == (5 * 20 if method == "draft" else 2 * 20 + 3 * 16)
