@@ -54,7 +54,7 @@ from specjax.api import check_draft
 from specjax.config import SpecConfig
 from specjax.engine import steps
 from specjax.engine.allocator import PageAllocator
-from specjax.engine.metrics import EngineMetrics
+from specjax.engine.metrics import EngineMetrics, request_spec_stats
 from specjax.engine.scheduler import FINISHED, WAITING, Request, Scheduler, bucket
 from specjax.kv_cache import pages_needed
 from specjax.model import Model
@@ -80,6 +80,49 @@ class RequestParams:
     stop_token_ids: tuple | None = None
 
 
+def parse_spec_tokens_per_batch_size(text: str) -> tuple:
+    """Parses ``specjax serve --spec-tokens-per-batch-size`` (a JSON list like vLLM's
+    ``[[1, 8, 3], [9, 16, 1], [17, 64, 0]]``: batch sizes lo..hi draft k tokens, 0 = plain) into
+    EngineConfig's ``num_speculative_tokens_per_batch_size``; the Engine validates the ranges."""
+    import json  # noqa: PLC0415
+
+    if not isinstance(text, str):
+        raise TypeError(f"spec tokens per batch size must be a JSON string, got {text!r}")
+    try:
+        table = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"spec tokens per batch size is not JSON: {e}") from None
+    if not isinstance(table, list) or not all(
+            isinstance(r, list) and len(r) == 3 and all(_is_int(x) for x in r) for r in table):
+        raise ValueError(f"spec tokens per batch size must be a list of [lo, hi, k] int "
+                         f"triples, got {text!r}")
+    return tuple(tuple(r) for r in table)
+
+
+def check_spec_table(table, max_slots: int, num_draft_tokens: int) -> tuple:
+    """Validates ``num_speculative_tokens_per_batch_size``: [lo, hi, k] int rows, sorted, without
+    gaps or overlaps, covering batch sizes 1..max_slots, 0 <= k <= num_draft_tokens."""
+    name = "num_speculative_tokens_per_batch_size"
+    try:
+        rows = tuple(tuple(r) for r in table)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of (lo, hi, k), got {table!r}") from None
+    if not rows or not all(len(r) == 3 and all(_is_int(x) for x in r) for r in rows):
+        raise ValueError(f"{name} must be non-empty (lo, hi, k) int triples, got {table!r}")
+    expect = 1
+    for lo, hi, k in rows:
+        if lo != expect or hi < lo:
+            raise ValueError(f"{name}: ranges must start at 1 and follow each other without "
+                             f"gaps or overlaps (lo <= hi), got {table!r}")
+        if not 0 <= k <= num_draft_tokens:
+            raise ValueError(f"{name}: k = {k} outside 0..num_draft_tokens ({num_draft_tokens})")
+        expect = hi + 1
+    if expect <= max_slots:
+        raise ValueError(f"{name} covers batch sizes up to {expect - 1}, not max_slots "
+                         f"{max_slots}")
+    return tuple((int(lo), int(hi), int(k)) for lo, hi, k in rows)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Static engine settings.
@@ -98,6 +141,19 @@ class EngineConfig:
       batches decode plainly (None = always speculate).
     seed: seeds the streams of requests submitted without one.
     record_timeline: keep per-step host/device timestamps in ``Engine.timeline``.
+    num_speculative_tokens_per_batch_size: vLLM's table ``((lo, hi, k), ...)``: a speculative
+      step of a decode batch of lo..hi rows drafts k tokens (0 = a plain step); one compiled
+      step variant per (batch bucket, k). Chain methods without ``spec.adaptive`` only; ranges
+      cover 1..max_slots, 0 <= k <= ``spec.num_draft_tokens`` (``check_spec_table``; a JSON
+      string parses with ``parse_spec_tokens_per_batch_size``). None = always ``k``.
+    enable_prefix_caching: reuse the KV pages of full prompt pages across requests
+      (``specjax.engine.allocator``: hash chain over page contents, reference counts, an LRU of
+      free cached pages); a request's prefill starts at its first uncached token, and at least
+      its last prompt token is always prefilled (the drafter's carried per-slot state). With a
+      head drafter a cached page also depends on the token after it (the head's KV at the page's
+      last position consumes it). Off by default (see the report in the issue: not yet run
+      against the whole suite). With "ngram" the slot's token history of a cached prefix is not
+      rebuilt (drafts from it are worse, outputs unchanged: verification is lossless).
     With ``spec.method == "ngram"`` no draft is needed (each slot keeps its token history on
     device); with ``spec.adaptive`` every speculative step picks k on device, from a cost model
     measured for each batch bucket at ``warmup()`` (speculation fades out as batches become
@@ -115,6 +171,8 @@ class EngineConfig:
     spec_max_batch: int | None = None
     seed: int = 0
     record_timeline: bool = False
+    enable_prefix_caching: bool = False
+    num_speculative_tokens_per_batch_size: tuple | None = None
 
 
 def _is_int(x) -> bool:
@@ -140,6 +198,7 @@ class RequestHandle:
         self._engine = engine
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
+        self._req = None  # the engine's Request (set by submit)
 
     def _push(self, new, reason) -> None:
         self.tokens.extend(new)
@@ -149,6 +208,12 @@ class RequestHandle:
         self._queue.put((new, reason))
         if reason is not None:
             self._done.set()
+
+    def spec_stats(self, num_tokens: int | None = None) -> dict:
+        """This request's speculation numbers (``specjax.engine.metrics.request_spec_stats``),
+        counted from its first ``num_tokens`` generated tokens (default: all received so far)."""
+        n = len(self.tokens) if num_tokens is None else num_tokens
+        return request_spec_stats(list(self._req.spec_steps), n, self._engine.k_eff)
 
     def _next_chunk(self):
         while True:
@@ -262,12 +327,29 @@ class Engine:
         self._draft_cfg = None if draft is None else draft.config
         self._state = steps.init_state(target.config, self._draft_cfg, self.sc, num_pages,
                                        target.dtype)
-        self.allocator = PageAllocator(num_pages, spec.page_size)
+        if not isinstance(cfg.enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got "
+                            f"{cfg.enable_prefix_caching!r}")
+        # a head's KV at position j consumes token j + 1 (module docstring of the allocator)
+        lookahead = 0 if spec.method in ("none", "draft", "ngram") else 1
+        self.allocator = PageAllocator(num_pages, spec.page_size, lookahead=lookahead)
+        k_table = cfg.num_speculative_tokens_per_batch_size
+        self._spec_sc = {}  # k -> StepConfig of a speculative step drafting k tokens
+        if k_table is not None:
+            if spec.tree is not None or spec.adaptive or self.k_eff != spec.num_draft_tokens:
+                raise ValueError("num_speculative_tokens_per_batch_size needs a chain method "
+                                 "without adaptive k")
+            k_table = check_spec_table(k_table, cfg.max_slots, spec.num_draft_tokens)
+            for _, _, k in k_table:
+                if k > 0:
+                    self._spec_sc[k] = dataclasses.replace(
+                        self.sc, lc=dataclasses.replace(spec, num_draft_tokens=k))
         self.scheduler = Scheduler(
             self.allocator, num_slots=cfg.max_slots, token_buckets=token_buckets, k_eff=self.k_eff,
             write_ahead=write_ahead,
             speculative=self.k_eff > 0, spec_max_batch=cfg.spec_max_batch,
-            pages_per_seq=pages_per_seq, max_prefill_tokens=cfg.max_prefill_tokens)
+            pages_per_seq=pages_per_seq, max_prefill_tokens=cfg.max_prefill_tokens,
+            prefix_caching=cfg.enable_prefix_caching, k_table=k_table)
         self.metrics = EngineMetrics(self.k_eff)
         self.timeline: list = []
         self.host_time_s = 0.0  # time in step() not spent blocked on the device
@@ -316,6 +398,7 @@ class Engine:
                       temperature=float(params.temperature), top_k=min(int(params.top_k), v),
                       top_p=float(params.top_p), seed=int(seed), stop=frozenset(stop),
                       arrival=time.perf_counter(), handle=handle, callback=callback)
+        handle._req = req
         self._submitted.put(req)
         self._wake.set()
         return handle
@@ -329,7 +412,26 @@ class Engine:
         """
         if not _is_int(request_id):
             raise TypeError(f"request_id must be an int, got {request_id!r}")
-        self._aborts.put(int(request_id))
+        self._aborts.put((int(request_id), None))
+        self._wake.set()
+
+    def finish_stopped(self, request_id: int, num_tokens: int) -> None:
+        """Ends a request whose client found a stop string in its text, as a *success*.
+
+        Safe to call from any thread, a no-op once the request has finished. Applied at the start
+        of the next ``step()`` like ``abort`` (slot and pages go back, in-flight results are
+        discarded), but the request counts as finished by "stop": it is in
+        ``request_success_total`` and the latency histograms (its end-to-end latency is taken at
+        the last token it received), and only its first ``num_tokens`` generated tokens (those
+        the client returns: up to the one that completed the stop string) stay in
+        ``handle.tokens`` and ``generation_tokens_total``. Its handle finishes with
+        ``finish_reason`` "stop" (callback called with no new tokens).
+        """
+        if not _is_int(request_id):
+            raise TypeError(f"request_id must be an int, got {request_id!r}")
+        if not _is_int(num_tokens) or num_tokens < 1:
+            raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
+        self._aborts.put((int(request_id), int(num_tokens)))
         self._wake.set()
 
     def generate(self, prompts, params: RequestParams | None = None) -> list:
@@ -440,18 +542,28 @@ class Engine:
     def _drain_aborts(self) -> None:
         while True:
             try:
-                req = self._live.pop(self._aborts.get_nowait(), None)
+                rid, keep = self._aborts.get_nowait()
             except queue.Empty:
                 return
+            req = self._live.pop(rid, None)
             if req is None:
                 continue  # already finished (or never submitted)
+            reason = "abort" if keep is None else "stop"
             if req.state == WAITING:
                 self.scheduler.waiting.remove(req)
-                req.state, req.finish_reason = FINISHED, "abort"
+                req.state, req.finish_reason = FINISHED, reason
             else:  # prefill / decode: slot and pages go back; in-flight results are discarded
-                self.scheduler.finish(req, "abort")
-            self.metrics.request_finished_by_reason["abort"] += 1
-            self._outbox.append((req, [], "abort"))
+                self.scheduler.finish(req, reason)
+            m = self.metrics
+            m.request_finished_by_reason[reason] += 1
+            if keep is not None:  # a stop string: a success, counting only the returned tokens
+                extra = max(0, len(req.output) - keep)
+                m.generation_tokens_total -= extra
+                del req.output[keep:]
+                req.handle.tokens[keep:] = []
+                m.request_success_total += 1
+                self._observe_finish(req, req.last_token_at or time.perf_counter())
+            self._outbox.append((req, [], reason))
 
     def _row_dict(self, row) -> dict:
         r = row.req
@@ -473,12 +585,12 @@ class Engine:
             self._costs[batch] = jax.device_put(np.asarray(costs, np.float32))
         return self._costs[batch]
 
-    def _call(self, kind: str, meta):
+    def _call(self, kind: str, meta, k: int = 0):
         if kind == "spec":
             extra = (self._cost(meta.shape[0]),) if self.config.spec.adaptive else ()
             out = steps.spec_decode_step(self._target_params, self._draft_params, self._state, meta,
                                          *extra, target_cfg=self.target.config,
-                                         draft_cfg=self._draft_cfg, sc=self.sc)
+                                         draft_cfg=self._draft_cfg, sc=self._spec_sc.get(k, self.sc))
             self._state = out[0]
             return out[1:]
         out = steps.extend_step(self._target_params, self._draft_params, self._state, meta,
@@ -489,7 +601,7 @@ class Engine:
     def _dispatch(self, plan, t0: float, t_planned: float) -> None:
         b = bucket(len(plan.rows), self.batch_buckets)
         meta = steps.pack([self._row_dict(r) for r in plan.rows], self.sc, b, plan.t)
-        outputs = self._call(plan.kind, jax.device_put(meta))
+        outputs = self._call(plan.kind, jax.device_put(meta), plan.k)
         for row in plan.rows:
             row.req.inflight_growth += row.growth
         now = time.perf_counter()
@@ -520,9 +632,11 @@ class Engine:
             req.inflight_growth -= row.growth
             if plan.kind == "spec":
                 count = int(host[1][i])
+                start = len(req.output)
                 kept = self._append(req, host[0][i, :count].tolist(), now)
                 # count only what reached the request (its stop / max_tokens may cut drafts)
                 self.metrics.observe_spec(min(count - 1, kept), kept, int(host[2][i]))
+                req.spec_steps.append((start, count - 1, int(host[2][i])))
             elif row.commit:
                 self._append(req, [int(host[0][i])], now)
         return now - t
@@ -554,13 +668,17 @@ class Engine:
             self._live.pop(req.id, None)
             m.request_success_total += 1
             m.request_finished_by_reason[reason] += 1
-            e2e = now - req.arrival
-            m.observe("e2e_request_latency_seconds", e2e)
-            if len(req.output) > 1:
-                m.observe("time_per_output_token_seconds",
-                          (now - req.first_token_at) / (len(req.output) - 1))
+            self._observe_finish(req, now)
         self._outbox.append((req, new, reason))
         return len(new)
+
+    def _observe_finish(self, req: Request, now: float) -> None:
+        """End-of-request latency samples of a successful request that finished at ``now``."""
+        m = self.metrics
+        m.observe("e2e_request_latency_seconds", now - req.arrival)
+        if len(req.output) > 1 and req.first_token_at is not None:
+            m.observe("time_per_output_token_seconds",
+                      (now - req.first_token_at) / (len(req.output) - 1))
 
     def _deliver(self) -> None:
         outbox, self._outbox = self._outbox, []
@@ -576,13 +694,12 @@ class Engine:
 
     # ------------------------------------------------------------------------- tooling
     def variants(self) -> list:
-        """Every (kind, batch, T) step shape the scheduler can produce."""
+        """Every (kind, batch, T) step shape the scheduler can produce (T = k for "spec")."""
         out = [("extend", b, t) for b in self.batch_buckets for t in self.token_buckets]
         for n in range(1, self.config.max_slots + 1):
             b = bucket(n, self.batch_buckets)
-            spec = self.k_eff > 0 and (self.config.spec_max_batch is None
-                                       or n <= self.config.spec_max_batch)
-            v = ("spec", b, 0) if spec else ("extend", b, 1)
+            k = self.scheduler.k_for(n)
+            v = ("spec", b, k) if self.scheduler._speculates(n) else ("extend", b, 1)
             if v not in out:
                 out.append(v)
         return out
@@ -596,7 +713,8 @@ class Engine:
             raise RuntimeError("warmup() must run before any request is dispatched")
         vs = self.variants()
         for kind, b, t in vs:
-            outs = self._call(kind, jax.device_put(steps.pack([], self.sc, b, t)))
+            k, t = (t, 0) if kind == "spec" else (0, t)
+            outs = self._call(kind, jax.device_put(steps.pack([], self.sc, b, t)), k)
             jax.block_until_ready(outs)
         return len(vs)
 
@@ -617,5 +735,9 @@ class Engine:
             s["k_histogram"] = [int(c) for c in jax.device_get(self._state.k_hist)]
         s.update(method=self.config.spec.method, schedule=self.schedule, num_draft_tokens=self.k_eff,
                  engine_steps=self.num_steps, host_time_s=self.host_time_s,
-                 blocked_time_s=self.blocked_time_s, num_preemptions_total=self.scheduler.num_preemptions)
+                 blocked_time_s=self.blocked_time_s, num_preemptions_total=self.scheduler.num_preemptions,
+                 prefix_cache_queries=self.scheduler.prefix_cache_queries,
+                 prefix_cache_hits=self.scheduler.prefix_cache_hits,
+                 kv_pages_cached=self.allocator.num_cached,
+                 prefix_cache_evictions=self.allocator.num_evictions)
         return s

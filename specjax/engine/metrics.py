@@ -22,7 +22,8 @@ Counters and histograms are plain Python (host side, updated when a step's resul
   token).
 * gauges: ``num_requests_running``, ``num_requests_waiting`` (queue depth; SGLang
   ``num_queue_reqs``), ``kv_cache_usage_perc`` (fraction of pages in use; SGLang ``token_usage``).
-* counters: ``request_success_total`` (finished by a stop token or the length limit),
+* counters: ``request_success_total`` (finished by a stop token, a stop string found by the
+  server (``Engine.finish_stopped``) or the length limit),
   ``request_finished_by_reason`` ("stop" / "length" / "abort", vLLM's ``finished_reason``
   label), steps by kind. ``Engine.stats()`` adds ``num_preemptions_total`` (the scheduler's).
 """
@@ -39,6 +40,40 @@ def _summary(values) -> dict:
     a = np.asarray(values, np.float64)
     return {"count": int(a.size), "mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
             "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
+
+
+def request_spec_stats(spec_steps, num_tokens: int, k: int) -> dict:
+    """One request's speculation numbers (vLLM's per-request spec metrics), from the tokens it
+    received.
+
+    Args:
+      spec_steps: one ``(start, accepted, drafted)`` per speculative step of the request: the
+        index in its output of the step's first token, drafts the verifier accepted, drafts
+        proposed (0: the row proposed none, not counted).
+      num_tokens: tokens the request returned (a stop token, stop string or max_tokens may cut a
+        step: only the drafts among its first ``num_tokens`` tokens count).
+      k: K, the most drafts one step can accept.
+    Returns:
+      ``{"num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos"
+      [K], "mean_acceptance_length"}``: the last = tokens received from speculative steps /
+      drafts (1 + accepted / drafts unless a step was cut; None without drafts).
+    """
+    drafts = draft_tokens = accepted = emitted = 0
+    per_pos = [0] * k
+    for start, acc, drafted in spec_steps:
+        got = min(acc + 1, num_tokens - start)
+        if drafted == 0 or got <= 0:
+            continue
+        a = min(acc, got)
+        drafts += 1
+        draft_tokens += drafted
+        accepted += a
+        emitted += got
+        for i in range(a):
+            per_pos[i] += 1
+    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens,
+            "num_accepted_tokens": accepted, "num_accepted_tokens_per_pos": per_pos,
+            "mean_acceptance_length": emitted / drafts if drafts else None}
 
 
 class EngineMetrics:

@@ -69,6 +69,8 @@ class Request:
     last_token_at: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # one (output index of its first token, accepted drafts, drafts proposed) per speculative step
+    spec_steps: list = dataclasses.field(default_factory=list)
 
     @property
     def num_known(self) -> int:
@@ -98,6 +100,7 @@ class Plan:
     kind: str
     rows: list
     t: int  # token bucket (0 for "spec")
+    k: int = 0  # drafts per row of a "spec" step (EngineConfig.num_speculative_tokens_per_batch_size)
 
 
 def bucket(n: int, buckets) -> int:
@@ -113,7 +116,8 @@ class Scheduler:
 
     def __init__(self, allocator: PageAllocator, *, num_slots: int, token_buckets, k_eff: int,
                  write_ahead: int, speculative: bool, spec_max_batch: int | None, pages_per_seq: int,
-                 max_prefill_tokens: int | None):
+                 max_prefill_tokens: int | None, prefix_caching: bool = False,
+                 k_table: tuple | None = None):
         self.alloc = allocator
         self.num_slots = num_slots
         self.token_buckets = tuple(token_buckets)
@@ -127,6 +131,11 @@ class Scheduler:
         self.running: list = []  # admission order (latest last = first preemption victim)
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.num_preemptions = 0
+        self.prefix_caching = prefix_caching
+        self.k_table = k_table  # ((lo, hi, k), ...) drafts per decode batch size; None = k_eff
+        self.k_eff = k_eff
+        self.prefix_cache_queries = 0  # tokens looked up at admission (vLLM's counters)
+        self.prefix_cache_hits = 0  # of those, tokens found cached (not prefilled)
         self._last_prefill_only = False  # the previous plan ran prefill rows without decode rows
 
     # -------------------------------------------------------------------------- bookkeeping
@@ -201,14 +210,21 @@ class Scheduler:
             while self.waiting and self.free_slots and budget > 0:
                 r = self.waiting[0]
                 seq = r.prompt + r.output
-                c = int(min(len(seq), tmax, budget))
-                n = self.alloc.pages_for(min(c + self.ahead, self.max_tokens_per_seq))
-                if n + spare > self.alloc.num_free:
+                # cached full pages of the prefix, never the last token (it is prefilled: the
+                # drafter's carried logits / hidden state are per slot)
+                hit = self.alloc.lookup(seq, len(seq) - 1) if self.prefix_caching else []
+                h = len(hit) * self.alloc.page_size
+                c = int(min(len(seq) - h, tmax, budget))
+                n = self.alloc.pages_for(min(h + c + self.ahead, self.max_tokens_per_seq)) - len(hit)
+                if n + self.alloc.num_evictable(hit) + spare > self.alloc.num_free:
                     break
                 self.waiting.popleft()
                 r.slot = self.free_slots.pop()
-                r.pages = self.alloc.allocate(n, r)
-                r.seq, r.num_prefilled, r.state = seq, 0, PREFILL
+                r.pages = self.alloc.acquire(hit, r) + self.alloc.allocate(n, r)
+                r.seq, r.num_prefilled, r.state = seq, h, PREFILL
+                if self.prefix_caching:
+                    self.prefix_cache_queries += len(seq)
+                    self.prefix_cache_hits += h
                 if r.admitted_at is None:
                     r.admitted_at = now
                 self.running.append(r)
@@ -226,6 +242,8 @@ class Scheduler:
                                 start=start, tokens=r.seq[start:start + c], final=final,
                                 next_token=0 if final else r.seq[start + c]))
                 r.num_prefilled += c
+                if self.prefix_caching:  # KV of these pages is written by this step
+                    self.alloc.register(r.pages, r.seq, min(r.num_prefilled, len(r.seq) - 1), r)
                 if final:
                     r.state = DECODE  # from the next step on, the device holds its state
         self._last_prefill_only = False
@@ -240,13 +258,21 @@ class Scheduler:
                     row.growth = 1
             return Plan("extend", rows, bucket(max(chunks.values()), self.token_buckets))
         if self._speculates(len(rows)):
+            k = self.k_for(len(rows))
             for row in rows:
-                row.growth = self.k1
-            return Plan("spec", rows, 0)
+                row.growth = k + 1
+            return Plan("spec", rows, 0, k)
         for row in rows:
             row.growth = 1
         return Plan("extend", rows, 1)
 
+    def k_for(self, num_decode: int) -> int:
+        """Drafts per row for a decode-only step of this many rows (0 = plain)."""
+        if self.k_table is None:
+            return self.k_eff
+        return next(k for lo, hi, k in self.k_table if lo <= num_decode <= hi)
+
     def _speculates(self, num_decode: int) -> bool:
         """Whether a decode-only step of this many rows is speculative."""
-        return self.speculative and (self.spec_max_batch is None or num_decode <= self.spec_max_batch)
+        return (self.speculative and self.k_for(num_decode) > 0
+                and (self.spec_max_batch is None or num_decode <= self.spec_max_batch))

@@ -9,8 +9,10 @@ are coroutines on the event loop and never block it. A handler validates the req
 it (``Engine.submit`` only queues) with a callback that the engine thread calls per delivered
 token batch; the callback hands the batch to the handler's ``asyncio.Queue`` through
 ``loop.call_soon_threadsafe``. Detokenization and stop-string matching run on the event loop.
-A client that disconnects (or a stop string that matches) aborts its engine request
-(``Engine.abort``: slot and pages go back at the next step).
+A client that disconnects aborts its engine request (``Engine.abort``: slot and pages go back at
+the next step); a stop string that matches ends it as a success (``Engine.finish_stopped``: a
+"stop" finish in ``request_success_total`` and the latency histograms, counting only the tokens
+up to the one that completed the stop string, which is also what ``usage`` reports).
 
 Admission: at most ``max_slots + max_queue`` requests are in the server at once (those beyond
 the slots wait in the engine's queue); one more gets HTTP 503 with an OpenAI-style JSON error.
@@ -80,6 +82,8 @@ class Detokenizer:
     ``add(tokens, reason)`` returns (new text, finish reason): text is released only when it can
     no longer change (no trailing U+FFFD of an incomplete UTF-8 sequence, not a possible start of
     a stop string); the reason becomes "stop" when a stop string appears (text cut before it).
+    ``num_tokens`` counts the tokens the text stands for: all received, or after a stop string
+    only those up to the one that completed it (``stopped_by_string`` is then True).
     """
 
     def __init__(self, tokenizer, stop_strings=()):
@@ -88,14 +92,31 @@ class Detokenizer:
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.ids: list = []
         self.sent = ""
+        self.stopped_by_string = False
+        self._num_tokens = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids) if self._num_tokens is None else self._num_tokens
+
+    def _find_stop(self, text: str) -> int:
+        return min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
 
     def add(self, tokens, reason: str | None):
+        before = len(self.ids)
         self.ids.extend(tokens)
         ids = self.ids[:-1] if reason == "stop" and tokens else self.ids  # drop the stop token
         text = self.tok.decode(ids)
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        cut = self._find_stop(text)
         if cut >= 0:
             text, reason = text[:cut], "stop"
+            self.stopped_by_string = True
+            # the stop string was not in the text before this batch: the first prefix that
+            # holds it ends at one of this batch's tokens
+            n = before + 1
+            while n < len(ids) and self._find_stop(self.tok.decode(ids[:n])) < 0:
+                n += 1
+            self._num_tokens = n
         if reason is None:
             safe = text.rstrip("\ufffd")
             end = len(safe) - self.hold
@@ -238,20 +259,28 @@ class _Run:
 
     @property
     def completion_tokens(self) -> int:
-        return len(self.detok.ids)
+        return self.detok.num_tokens
 
     def usage(self) -> dict:
         c = self.completion_tokens
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": c,
-                "total_tokens": self.prompt_tokens + c}
+                "total_tokens": self.prompt_tokens + c, "spec_decoding": self.spec_decoding()}
 
     def close(self) -> None:
         """Releases the admission slot; aborts the engine request if it is still running."""
         if self._open:
             self._open = False
             self.srv.active -= 1
-            if not self.handle.finished:
+            if self.handle.finished:
+                pass
+            elif self.detok.stopped_by_string:  # a success: the engine counts it as "stop"
+                self.srv.engine.finish_stopped(self.handle.id, self.detok.num_tokens)
+            else:
                 self.srv.engine.abort(self.handle.id)
+
+    def spec_decoding(self) -> dict:
+        """This request's speculation numbers (the response's ``spec_decoding`` field)."""
+        return _finite(self.handle.spec_stats(self.detok.num_tokens))
 
     async def batches(self, request: Request | None):
         """Yields (text delta, finish reason or None) per token batch; stops after the last."""
@@ -334,6 +363,8 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, max_queue: int = 6
             else None
         if first.get("type") == "json_invalid":
             msg = f"malformed JSON body: {first.get('msg', '')}"
+        elif first.get("type") == "extra_forbidden":
+            msg = f"{'.'.join(loc[1:])} is not supported by this server"
         else:
             msg = f"{'.'.join(loc[1:]) or 'body'}: {first.get('msg', 'invalid request')}"
         return JSONResponse(P.APIError(msg, param=param).body(), status_code=400)

@@ -11,7 +11,8 @@ Names (label ``model_name`` on all; counters gain ``_total`` in the text format)
   ``vllm:spec_decode_num_accepted_tokens``, ``vllm:spec_decode_num_accepted_tokens_per_pos``
   (label ``position``), ``vllm:prompt_tokens``, ``vllm:generation_tokens``,
   ``vllm:request_success`` (label ``finished_reason``: stop / length / abort),
-  ``vllm:num_preemptions`` (counters);
+  ``vllm:num_preemptions``, ``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits`` (tokens;
+  ``EngineConfig.enable_prefix_caching``) (counters);
 * ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
   ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,
   ``vllm:time_per_output_token_seconds`` (histograms);
@@ -100,6 +101,10 @@ class EngineCollector:
         yield success
         yield counter("vllm:num_preemptions", "Requests preempted (recomputed later).",
                       e.scheduler.num_preemptions)
+        yield counter("vllm:prefix_cache_queries", "Prefix cache: tokens looked up at admission.",
+                      e.scheduler.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache: tokens found cached.",
+                      e.scheduler.prefix_cache_hits)
         for key, (buckets, doc) in HISTOGRAMS.items():
             yield _histogram("vllm:" + key, list(m.hist[key]), buckets, doc, lab)
         occ = e.occupancy()

@@ -4,8 +4,16 @@ Requests are validated by pydantic in strict mode for types (a string where an i
 error, an int where a float belongs is fine) and by field constraints for ranges; any violation
 becomes HTTP 400 with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``
 (``param`` names the offending field). Fields OpenAI defines that specjax does not implement
-(``logprobs``, ``echo``, ``n`` > 1, penalties, ...) are accepted at their neutral value and
-rejected otherwise, so a client never silently gets something other than it asked for.
+(``logprobs``, ``echo``, ``n`` > 1, penalties, ``response_format``, tools, ...) are accepted at
+their neutral value and rejected otherwise, and a field nobody defined is rejected too, so a
+client never silently gets something other than it asked for.
+
+Response extension: ``usage.spec_decoding`` (non-streamed responses, and the final usage chunk of
+a stream with ``stream_options.include_usage``) holds the request's own speculation numbers,
+counted from the tokens it returned (``specjax.engine.metrics.request_spec_stats``):
+``num_drafts`` (speculative steps that proposed drafts), ``num_draft_tokens``,
+``num_accepted_tokens``, ``num_accepted_tokens_per_pos`` [K] and ``mean_acceptance_length``
+(tokens returned by those steps / num_drafts; null without drafts).
 
 Extensions (as in vLLM): ``top_k`` (0 or -1 = off), ``stop_token_ids``, ``ignore_eos``; ``stop``
 may also hold token ids (ints) besides strings.
@@ -15,7 +23,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -40,10 +48,21 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions."""
+def _neutral(value, neutral) -> bool:
+    return value is None or value in neutral
 
-    model_config = ConfigDict(extra="ignore")
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions.
+
+    Unknown fields are rejected (``extra="forbid"``: HTTP 400 naming the field); OpenAI fields
+    that specjax does not implement are declared here and accepted only at their neutral value
+    (``check_unsupported``); ``user`` / ``safety_identifier`` (end-user ids) and
+    ``prompt_cache_key`` (a cache-routing hint; prefix caching needs none) do not change the
+    answer and are accepted.
+    """
+
+    model_config = ConfigDict(extra="forbid")
 
     model: StrictStr
     temperature: Optional[Number] = Field(1.0, ge=0, le=100)
@@ -56,24 +75,39 @@ class _SamplingFields(BaseModel):
     n: Optional[StrictInt] = Field(1, ge=1, le=1)
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
+    user: Optional[StrictStr] = None
+    safety_identifier: Optional[StrictStr] = None
+    prompt_cache_key: Optional[StrictStr] = None
     # OpenAI fields accepted only at their neutral value (see check_unsupported)
     logprobs: Any = None
-    presence_penalty: Optional[Number] = 0
-    frequency_penalty: Optional[Number] = 0
-    logit_bias: Optional[dict] = None
-    best_of: Optional[StrictInt] = None
-    user: Optional[StrictStr] = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    response_format: Any = None
+    service_tier: Any = None
+
+    # field -> neutral values (None is always neutral) and why a non-neutral one is refused
+    UNSUPPORTED: ClassVar[dict] = {
+        "logprobs": ((False, 0), "logprobs are not supported"),
+        "presence_penalty": ((0,), "presence_penalty is not supported (must be 0)"),
+        "frequency_penalty": ((0,), "frequency_penalty is not supported (must be 0)"),
+        "logit_bias": (({},), "logit_bias is not supported"),
+        "response_format": (({"type": "text"},),
+                            "response_format (structured outputs) is not supported yet; only "
+                            '{"type": "text"}'),
+        "service_tier": (("auto", "default"), "service_tier must be 'auto' or 'default'"),
+    }
 
     def check_unsupported(self) -> None:
-        if self.logprobs not in (None, False, 0):
-            raise APIError("logprobs are not supported", param="logprobs")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise APIError(f"{name} is not supported (must be 0)", param=name)
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
-        if self.best_of not in (None, 1):
-            raise APIError("best_of must be 1", param="best_of")
+        """Raises APIError naming the first field set to a value specjax does not honour."""
+        for name, (neutral, why) in {**self.UNSUPPORTED, **self.EXTRA_UNSUPPORTED}.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) and False not in neutral:
+                raise APIError(why, param=name)
+            if not _neutral(value, neutral):
+                raise APIError(why, param=name)
+
+    EXTRA_UNSUPPORTED: ClassVar[dict] = {}  # per endpoint
 
     def stop_lists(self) -> tuple[list[str], list[int]]:
         """(stop strings, stop token ids) from ``stop`` and ``stop_token_ids``."""
@@ -92,16 +126,25 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Optional[StrictInt] = Field(16, ge=1)
     echo: StrictBool = False
     suffix: Optional[StrictStr] = None
+    best_of: Any = None
+
+    EXTRA_UNSUPPORTED: ClassVar[dict] = {
+        "best_of": ((1,), "best_of must be 1"),
+        "echo": ((False,), "echo is not supported"),
+        "suffix": (("",), "suffix is not supported"),
+    }
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: StrictStr
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """One message; fields the template cannot render (``name``, ``tool_calls``, ...) are a 400."""
+
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[StrictStr, list[TextPart], None] = None
 
@@ -117,6 +160,37 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: Optional[StrictInt] = Field(None, ge=1)
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    store: Any = None
+    metadata: Any = None
+
+    EXTRA_UNSUPPORTED: ClassVar[dict] = {
+        "top_logprobs": ((0,), "top_logprobs are not supported"),
+        "tools": (([],), "tools (function calling) are not supported"),
+        "tool_choice": (("none",), "tool_choice is not supported (only 'none')"),
+        "parallel_tool_calls": ((), "parallel_tool_calls is not supported (no tools)"),
+        "functions": (([],), "functions (function calling) are not supported"),
+        "function_call": (("none",), "function_call is not supported (only 'none')"),
+        "audio": ((), "audio output is not supported"),
+        "modalities": ((["text"],), "only the 'text' modality is supported"),
+        "prediction": ((), "predicted outputs are not supported"),
+        "reasoning_effort": ((), "reasoning_effort is not supported"),
+        "verbosity": ((), "verbosity is not supported"),
+        "web_search_options": ((), "web search is not supported"),
+        "store": ((False,), "store (stored completions) is not supported"),
+        "metadata": (({},), "metadata is only used with store, which is not supported"),
+    }
 
 
 # ---------------------------------------------------------------------------------- responses
@@ -126,6 +200,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    spec_decoding: Optional[dict] = None
 
 
 class CompletionChoice(BaseModel):
