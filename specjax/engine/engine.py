@@ -330,8 +330,10 @@ class Engine:
         if not isinstance(cfg.enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got "
                             f"{cfg.enable_prefix_caching!r}")
-        # a head's KV at position j consumes token j + 1 (module docstring of the allocator)
-        lookahead = 0 if spec.method in ("none", "draft", "ngram") else 1
+        # a head's KV at position j consumes token j + 1 (module docstring of the allocator):
+        # the drafter's lag_offset says how many tokens past a position its cache entry reads
+        lookahead = speculate.make_plan(target.config, None if draft is None else draft.config,
+                                        spec).drafter.lag_offset
         self.allocator = PageAllocator(num_pages, spec.page_size, lookahead=lookahead)
         k_table = cfg.num_speculative_tokens_per_batch_size
         self._spec_sc = {}  # k -> StepConfig of a speculative step drafting k tokens

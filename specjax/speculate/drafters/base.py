@@ -23,8 +23,10 @@ Methods (B rows, K drafts, T span tokens):
     (catch-up, the MTP shift, nothing at all for a per-position cache).
   * Trees (optional, ``supports_tree``): ``propose_tree(models, state, tc)`` and
     ``absorb`` with the accepted path.
-  * Lazy upkeep over adaptive plain steps (optional, ``upkeep``): ``lag_feature``,
-    ``catch_up``, ``refresh`` (see specjax.speculate.steps).
+  * Lazy upkeep over adaptive plain steps (optional, ``upkeep``): ``lag_feature(models,
+    hidden, aux) -> [B, E]``, ``catch_up(models, kv, page_table, tokens [B, W], feats, pos,
+    start, num) -> (kv, hidden [B, W, E])``, ``refresh(models, last [B, E]) -> carry``
+    (see specjax.speculate.steps).
   * Confidence-adaptive drafting (optional, ``autoregressive``): ``first_logits(carry)`` and
     ``advance(models, state, kv, step_carry, d, i) -> (kv, step_carry, logits)``.
 """

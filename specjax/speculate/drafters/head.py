@@ -107,7 +107,8 @@ class HeadDrafter(Autoregressive):
         return self.features(models, hidden, aux)[:, 0]
 
     def catch_up(self, models, kv, page_table, tokens, feats, pos, start, num):
-        return self._block(models, tokens, feats, pos, kv, page_table, start, num)
+        hh, kv = self._block(models, tokens, feats, pos, kv, page_table, start, num)
+        return kv, hh
 
     def refresh(self, models, last):
         return {"logits": self.logits(models, last), "hidden": last}
