@@ -324,6 +324,44 @@ inline Vec VFmaV(Vec a, Vec b, Vec c) { return __builtin_fmaf(a, b, c); }
 inline float HSum(Vec v) { return v; }
 #endif
 
+// One block as kQK / kVec registers: the scalar Dequant through a buffer, or (AVX-512) the
+// same arithmetic on vectors (the products and sums round exactly as the scalar ones do).
+constexpr int kQV = kQK / kVec;
+template <int Q> inline void DequantV(const uint8_t* __restrict b, Vec* out) {
+  alignas(64) float buf[kQK];
+  Dequant<Q>(b, buf);
+#pragma GCC unroll 32
+  for (int v = 0; v < kQV; ++v) out[v] = VLoad(buf + v * kVec);
+}
+#if defined(__AVX512F__)
+inline void Nibbles(const uint8_t* qs, __m512i* lo, __m512i* hi) {  // elements 0..15, 16..31
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  *lo = _mm512_and_si512(q, _mm512_set1_epi32(15));
+  *hi = _mm512_srli_epi32(q, 4);
+}
+template <> inline void DequantV<kQ4_0>(const uint8_t* __restrict b, Vec* out) {
+  const __m512 d = _mm512_set1_ps(LoadHalf(b));
+  __m512i lo, hi;
+  Nibbles(b + 2, &lo, &hi);
+  const __m512i eight = _mm512_set1_epi32(8);
+  out[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)));
+  out[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)));
+}
+template <> inline void DequantV<kQ4_1>(const uint8_t* __restrict b, Vec* out) {
+  const __m512 d = _mm512_set1_ps(LoadHalf(b)), m = _mm512_set1_ps(LoadHalf(b + 2));
+  __m512i lo, hi;
+  Nibbles(b + 4, &lo, &hi);
+  out[0] = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), m);
+  out[1] = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), m);
+}
+template <> inline void DequantV<kQ8_0>(const uint8_t* __restrict b, Vec* out) {
+  const __m512 d = _mm512_set1_ps(LoadHalf(b));
+  const __m128i* qs = reinterpret_cast<const __m128i*>(b + 2);
+  out[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs))), d);
+  out[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs + 1))), d);
+}
+#endif
+
 // Outputs [n0, n1) for M (<= kQRows) rows of x, NR adjacent outputs at a time.
 template <int Q, int M, int NR>
 inline void QuantOutputs(const uint8_t* __restrict wq, const float* __restrict x,
@@ -334,17 +372,17 @@ inline void QuantOutputs(const uint8_t* __restrict wq, const float* __restrict x
 #pragma GCC unroll 16
   for (int i = 0; i < NR * M; ++i) (&acc[0][0])[i] = VZero();
   for (int64_t b = 0; b < nb; ++b) {
-    alignas(64) float w[NR][kQK];
+    Vec w[NR][kQV];
 #pragma GCC unroll 4
-    for (int r = 0; r < NR; ++r) Dequant<Q>(wq + (n + r) * rb + b * kB, w[r]);
+    for (int r = 0; r < NR; ++r) DequantV<Q>(wq + (n + r) * rb + b * kB, w[r]);
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const float* xm = x + m * K + b * kQK;
 #pragma GCC unroll 4
       for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 32
-        for (int v = 0; v < kQK / kVec; ++v)
-          acc[r][m] = VFmaV(VLoad(w[r] + v * kVec), VLoad(xm + v * kVec), acc[r][m]);
+        for (int v = 0; v < kQV; ++v)
+          acc[r][m] = VFmaV(w[r][v], VLoad(xm + v * kVec), acc[r][m]);
     }
   }
   for (int r = 0; r < NR; ++r)
