@@ -29,7 +29,7 @@ def _as_model(cfg: ModelConfig, params, dtype, source) -> Model:
     return Model(params=params, config=cfg, source=source)
 
 
-def load_model(path: str, dtype=jnp.float32, mesh=None) -> Model:
+def load_model(path: str, dtype=jnp.float32, mesh=None, weights: str = "quantized") -> Model:
     """Loads a target model.
 
     Args:
@@ -42,6 +42,8 @@ def load_model(path: str, dtype=jnp.float32, mesh=None) -> Model:
       dtype: parameter dtype (float32 on CPU; bfloat16 on accelerators).
       mesh: optional mesh to place the params on with the family's sharding rules
         (``sharding.make_mesh`` for the Llama family, ``deepseek.make_mesh`` for DeepSeek).
+      weights: "quantized" (a GGUF's Q4_0/Q4_1/Q8_0 blocks stream through the native CPU kernel,
+        same values) or "float32" (every product over the dequantized float32 weights).
     Raises:
       ValueError: an unsupported ``model_type`` (the message names the supported ones).
     """
@@ -70,6 +72,11 @@ def load_model(path: str, dtype=jnp.float32, mesh=None) -> Model:
             "transformers directory with config.json, or a specjax checkpoint")
     registry.check_params(params, cfg)
     model = _as_model(cfg, params, dtype, path)
+    if weights not in ("quantized", "float32"):
+        raise ValueError(f"load_model: weights must be 'quantized' or 'float32', got {weights!r}")
+    if weights == "quantized" and mesh is None and (path in BUILTIN_MODELS or path.endswith(".gguf")):
+        from specjax import native  # noqa: PLC0415  (a GGUF branch above imported gguf)
+        native.attach_gguf(model, path if path.endswith(".gguf") else gguf.smollm2_gguf_path())
     return model if mesh is None else _shard(model, mesh)
 
 

@@ -60,6 +60,13 @@ TARGETS = {
     jnp.dtype(jnp.bfloat16): (TARGET + "_bf16", "SpecjaxSkinnyMatmulBF16"),
     jnp.dtype(jnp.float16): (TARGET + "_f16", "SpecjaxSkinnyMatmulF16"),
 }
+# GGUF block types the quantized kernel streams -> (custom-call target, symbol, bytes per block)
+QTARGETS = {
+    "Q4_0": (TARGET + "_q4_0", "SpecjaxQuantMatmulQ4_0", 18),
+    "Q4_1": (TARGET + "_q4_1", "SpecjaxQuantMatmulQ4_1", 20),
+    "Q8_0": (TARGET + "_q8_0", "SpecjaxQuantMatmulQ8_0", 34),
+}
+QBLOCK = 32  # weights per GGUF block (along K)
 LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 FUSED = (("wq", "wk", "wv"), ("w_gate", "w_up"))  # packed as one weight "wq+wk+wv", "w_gate+w_up"
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "skinny_matmul.cc")
@@ -81,7 +88,8 @@ def _build(cxx: str) -> str:
     """Compiles the kernel (once per source, compiler, jax and CPU) and returns the .so path."""
     with open(_SOURCE, "rb") as f:
         src = f.read()
-    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+    # -ffp-contract=off: the quantized kernels dequantize as gguf does (d * q + m, two roundings)
+    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", "-ffp-contract=off"]
     key = hashlib.sha256(b"\0".join([
         src, cxx.encode(), " ".join(flags).encode(), jax.__version__.encode(),
         _cpu_signature().encode()])).hexdigest()[:16]
@@ -117,7 +125,7 @@ def available() -> bool:
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(_build(cxx))
-        for name, symbol in TARGETS.values():
+        for name, symbol in [*TARGETS.values(), *(t[:2] for t in QTARGETS.values())]:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
                                         platform="cpu")
     except (OSError, subprocess.SubprocessError) as e:
@@ -215,6 +223,87 @@ class PackedWeight:
         return y.reshape(*x.shape[:-1], self.w.shape[1])
 
 
+def quant_matmul(x, q, qtype: str):
+    """x [M, K] float32 @ W -> [M, N] float32, W's column n being GGUF row n held as the file's
+    blocks ``q`` [N, K / 32 * bytes] uint8 of type ``qtype`` ("Q4_0", "Q4_1", "Q8_0").
+
+    The native kernel (``available()`` must be True): each block is dequantized in registers
+    with gguf's float32 arithmetic (every weight equals ``gguf.quants.dequantize``'s value), once
+    per call for up to 8 rows; a row's sum runs in k order whatever M is.
+    """
+    if qtype not in QTARGETS:
+        raise ValueError(f"quant_matmul: qtype must be one of {sorted(QTARGETS)}, got {qtype!r}")
+    if x.ndim != 2 or q.ndim != 2 or x.shape[1] % QBLOCK or \
+            q.shape[1] != x.shape[1] // QBLOCK * QTARGETS[qtype][2]:
+        raise ValueError(f"quant_matmul: x must be [M, K] (K % {QBLOCK} == 0) and q [N, K / "
+                         f"{QBLOCK} * {QTARGETS[qtype][2]}], got {x.shape} and {q.shape}")
+    if x.dtype != jnp.float32 or q.dtype != jnp.uint8:
+        raise TypeError(f"quant_matmul takes float32 x and uint8 q, got {x.dtype} and {q.dtype}")
+    call = jax.ffi.ffi_call(QTARGETS[qtype][0],
+                            jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, q)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantWeight:
+    """A linear weight as float32 and as the GGUF file's quantized blocks (the same values).
+
+    Fields:
+      w: [K, N] the canonical float32 weight (XLA's dot, for more than MAX_ROWS rows).
+      q: [N, K / 32 * bytes] uint8: row n = column n of ``w`` in ``qtype``'s blocks.
+      qtype: static GGUF block type ("Q4_0", "Q4_1", "Q8_0").
+      parts: static output widths of the weights fused into this one, or (N,).
+    """
+
+    w: jax.Array
+    q: jax.Array
+    qtype: str = dataclasses.field(default="Q8_0", metadata=dict(static=True))
+    parts: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+
+    shape = PackedWeight.shape
+    dtype = PackedWeight.dtype
+    ndim = PackedWeight.ndim
+
+    def __rmatmul__(self, x):  # x [..., K] -> [..., N]
+        rows = int(np.prod(x.shape[:-1]))
+        if rows > MAX_ROWS or x.dtype != jnp.float32:
+            return x @ self.w
+        y = quant_matmul(x.reshape(rows, x.shape[-1]), self.q, self.qtype)
+        return y.reshape(*x.shape[:-1], self.w.shape[1])
+
+
+def quant_weight(ws, blocks) -> QuantWeight | PackedWeight:
+    """[K, N_i] float32 weights and their GGUF blocks ``(qtype, q_i [N_i, bytes])`` -> one
+    QuantWeight [K, sum N_i]; a PackedWeight when the blocks are missing or of mixed types."""
+    if any(b is None for b in blocks) or len({b[0] for b in blocks}) != 1:
+        return pack_weight(*ws)
+    w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=1)
+    q = np.concatenate([np.asarray(b[1]) for b in blocks], axis=0)
+    if blocks[0][0] not in QTARGETS or q.shape[0] != w.shape[1]:
+        raise ValueError(f"quant_weight: blocks {blocks[0][0]} {q.shape} do not fit {w.shape}")
+    return QuantWeight(w=w, q=jnp.asarray(q, jnp.uint8), qtype=blocks[0][0],
+                       parts=tuple(int(a.shape[1]) for a in ws))
+
+
+def attach_gguf(model, path) -> None:
+    """Marks ``model`` (loaded from the GGUF file ``path``) to run on the file's own quantized
+    blocks: ``inference_params`` then builds QuantWeights for the linear weights whose type the
+    kernel streams (float32 panels for the rest). Read lazily, when the kernel is available."""
+    object.__setattr__(model, "_gguf_path", os.fspath(path))
+    model.__dict__.pop("_inference_params", None)
+
+
+def _gguf_blocks(model):
+    path = model.__dict__.get("_gguf_path")
+    if path is None or model.params["embed"].dtype != jnp.float32:
+        return None
+    from specjax.io import gguf  # noqa: PLC0415
+
+    return gguf.load_gguf_blocks(path, model.config, tuple(QTARGETS))
+
+
 def pack_weight(*ws) -> PackedWeight:
     """One or more [K, N_i] weights that multiply the same input -> one PackedWeight [K, sum N_i]
     (panels in the narrowest dtype that holds the weight exactly, ``panel_dtype``)."""
@@ -225,27 +314,38 @@ def pack_weight(*ws) -> PackedWeight:
 
 # ----------------------------------------------------------------------------- params
 
-def _pack_layer(lp: dict) -> dict:
-    """One decoder layer's dict with its linear weights packed (q|k|v, gate|up fused)."""
-    lp = dict(lp)
+def _pack_layer(lp: dict, blocks=None) -> dict:
+    """One decoder layer's dict with its linear weights packed (q|k|v, gate|up fused); those in
+    ``blocks`` (name -> (qtype, GGUF blocks)) as QuantWeights."""
+    lp, blocks = dict(lp), blocks or {}
+
+    def one(names):
+        ws = [lp.pop(n) for n in names]
+        return quant_weight(ws, [blocks.get(n) for n in names]) if blocks else pack_weight(*ws)
+
     for group in FUSED:  # q|k|v and gate|up read the same input: one product each
         if all(n in lp and _packable(lp[n]) for n in group):
-            lp["+".join(group)] = pack_weight(*(lp.pop(n) for n in group))
-    return {name: (pack_weight(a) if name in LINEAR_KEYS and _packable(a) else a)
-            for name, a in lp.items()}
+            lp["+".join(group)] = one(group)
+    for name in [n for n in lp if n in LINEAR_KEYS and _packable(lp[n])]:
+        lp[name] = one((name,))
+    return lp
 
 
-def pack_params(params: dict) -> dict:
+def pack_params(params: dict, blocks=None) -> dict:
     """A copy of a Llama-family params pytree for inference with the native kernel: the dense
     layers' float32 [K, N] linear weights (``LINEAR_KEYS``) become ``PackedWeight``s (q/k/v and
     gate/up fused into one each, ``FUSED``, which ``model._fused`` splits back) and
     ``"lm_head_packed"`` holds the output projection (``embed.T`` when tied). Other tensors
-    (norms, biases, MoE experts, the embedding) are shared, not copied."""
-    out = dict(params, layers=[_pack_layer(lp) for lp in params["layers"]])
+    (norms, biases, MoE experts, the embedding) are shared, not copied. ``blocks``
+    (``io.gguf.load_gguf_blocks``): the weights it holds become QuantWeights instead."""
+    blocks = blocks or {}
+    layer_blocks = blocks.get("layers") or [None] * len(params["layers"])
+    out = dict(params, layers=[_pack_layer(lp, b) for lp, b in zip(params["layers"], layer_blocks)])
     head = params.get("lm_head")
     head = params["embed"].T if head is None else head
     if head.dtype == jnp.float32:
-        out["lm_head_packed"] = pack_weight(head)
+        out["lm_head_packed"] = (quant_weight([head], [blocks["lm_head"]])
+                                 if blocks.get("lm_head") else pack_weight(head))
     return out
 
 
@@ -277,7 +377,7 @@ def inference_params(model, target=None):
     if is_head:
         packed = _pack_head(params, model.config, target)
     elif "layers" in params and "embed" in params:  # a Model
-        packed = params if _unsupported(model.config) else pack_params(params)
+        packed = params if _unsupported(model.config) else pack_params(params, _gguf_blocks(model))
     else:
         return params
     object.__setattr__(model, "_inference_params", (*key, packed))  # a cache, not model state

@@ -90,7 +90,6 @@ inline Vec VLoadBF16(const uint16_t* p) {
 #define SPECJAX_SCALAR_F16 1
 #endif
 
-#if defined(SPECJAX_SCALAR_F16)
 // IEEE half -> float without F16C (exact: every half is a float).
 inline float HalfToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
@@ -110,6 +109,7 @@ inline float HalfToFloat(uint16_t h) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+#if defined(SPECJAX_SCALAR_F16)
 inline Vec VLoadF16(const uint16_t* p) {
   alignas(64) float buf[kVec];
   for (int i = 0; i < kVec; ++i) buf[i] = HalfToFloat(p[i]);
@@ -257,6 +257,219 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   return ffi::Error::Success();
 }
 
+
+// ------------------------------------------------------------------ GGUF block-quantized weights
+//
+// y[M, N] = x[M, K] @ W where W's column n is GGUF row n, kept as the file's own blocks
+// (wq[N, K / 32 * kBytes] bytes): Q4_0 (f16 d, 16 bytes of nibbles), Q4_1 (f16 d, f16 m,
+// nibbles), Q8_0 (f16 d, 32 int8). Each block of 32 weights is dequantized once per call (for
+// up to kQRows rows; more rows redo it from cache, the bytes stream from memory once) with
+// exactly gguf.quants' float32 arithmetic (d * q, d * q + m: two roundings, never fused; the
+// library is built with -ffp-contract=off), so every weight equals the float32 value the
+// loader's dequantization gives. A row's sum runs over k in the same order whatever M is.
+constexpr int kQK = 32;     // weights per block
+constexpr int kQRows = 8;   // rows per register block
+enum QType { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+template <int Q> struct QInfo;
+template <> struct QInfo<kQ4_0> { static constexpr int kBytes = 18; };
+template <> struct QInfo<kQ4_1> { static constexpr int kBytes = 20; };
+template <> struct QInfo<kQ8_0> { static constexpr int kBytes = 34; };
+
+inline float LoadHalf(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return HalfToFloat(h);
+#endif
+}
+
+// out[32] = one block's weights (gguf.quants.{Q4_0,Q4_1,Q8_0}.dequantize_blocks).
+template <int Q> inline void Dequant(const uint8_t* __restrict b, float* __restrict out);
+template <> inline void Dequant<kQ4_0>(const uint8_t* __restrict b, float* __restrict out) {
+  const float d = LoadHalf(b);
+  const uint8_t* qs = b + 2;
+  for (int j = 0; j < 16; ++j) {
+    out[j] = d * static_cast<float>(static_cast<int>(qs[j] & 15) - 8);
+    out[j + 16] = d * static_cast<float>(static_cast<int>(qs[j] >> 4) - 8);
+  }
+}
+template <> inline void Dequant<kQ4_1>(const uint8_t* __restrict b, float* __restrict out) {
+  const float d = LoadHalf(b), m = LoadHalf(b + 2);
+  const uint8_t* qs = b + 4;
+  for (int j = 0; j < 16; ++j) {
+    out[j] = d * static_cast<float>(qs[j] & 15) + m;
+    out[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+  }
+}
+template <> inline void Dequant<kQ8_0>(const uint8_t* __restrict b, float* __restrict out) {
+  const float d = LoadHalf(b);
+  const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+  for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(qs[j]) * d;
+}
+
+#if defined(__AVX512F__)
+inline Vec VFmaV(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float HSum(Vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+inline Vec VFmaV(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float HSum(Vec v) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  return ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7]));
+}
+#else
+inline Vec VFmaV(Vec a, Vec b, Vec c) { return __builtin_fmaf(a, b, c); }
+inline float HSum(Vec v) { return v; }
+#endif
+
+// One block as kQK / kVec registers: the scalar Dequant through a buffer, or (AVX-512) the
+// same arithmetic on vectors (the products and sums round exactly as the scalar ones do).
+constexpr int kQV = kQK / kVec;
+template <int Q> inline void DequantV(const uint8_t* __restrict b, Vec* out) {
+  alignas(64) float buf[kQK];
+  Dequant<Q>(b, buf);
+#pragma GCC unroll 32
+  for (int v = 0; v < kQV; ++v) out[v] = VLoad(buf + v * kVec);
+}
+#if defined(__AVX512F__)
+inline void Nibbles(const uint8_t* qs, __m512i* lo, __m512i* hi) {  // elements 0..15, 16..31
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  *lo = _mm512_and_si512(q, _mm512_set1_epi32(15));
+  *hi = _mm512_srli_epi32(q, 4);
+}
+template <> inline void DequantV<kQ4_0>(const uint8_t* __restrict b, Vec* out) {
+  const __m512 d = _mm512_set1_ps(LoadHalf(b));
+  __m512i lo, hi;
+  Nibbles(b + 2, &lo, &hi);
+  const __m512i eight = _mm512_set1_epi32(8);
+  out[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)));
+  out[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)));
+}
+template <> inline void DequantV<kQ4_1>(const uint8_t* __restrict b, Vec* out) {
+  const __m512 d = _mm512_set1_ps(LoadHalf(b)), m = _mm512_set1_ps(LoadHalf(b + 2));
+  __m512i lo, hi;
+  Nibbles(b + 4, &lo, &hi);
+  out[0] = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), m);
+  out[1] = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), m);
+}
+template <> inline void DequantV<kQ8_0>(const uint8_t* __restrict b, Vec* out) {
+  const __m512 d = _mm512_set1_ps(LoadHalf(b));
+  const __m128i* qs = reinterpret_cast<const __m128i*>(b + 2);
+  out[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs))), d);
+  out[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs + 1))), d);
+}
+#endif
+
+// Outputs [n0, n1) for M (<= kQRows) rows of x, NR adjacent outputs at a time.
+template <int Q, int M, int NR>
+inline void QuantOutputs(const uint8_t* __restrict wq, const float* __restrict x,
+                         float* __restrict y, int64_t K, int64_t N, int64_t n) {
+  constexpr int kB = QInfo<Q>::kBytes;
+  const int64_t nb = K / kQK, rb = nb * kB;
+  Vec acc[NR][M];
+#pragma GCC unroll 16
+  for (int i = 0; i < NR * M; ++i) (&acc[0][0])[i] = VZero();
+  for (int64_t b = 0; b < nb; ++b) {
+    Vec w[NR][kQV];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) DequantV<Q>(wq + (n + r) * rb + b * kB, w[r]);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const float* xm = x + m * K + b * kQK;
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 32
+        for (int v = 0; v < kQV; ++v)
+          acc[r][m] = VFmaV(w[r][v], VLoad(xm + v * kVec), acc[r][m]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < M; ++m) y[m * N + n + r] = HSum(acc[r][m]);
+}
+
+template <int Q>
+void QuantGroup(int rows, const uint8_t* wq, const float* x, float* y, int64_t K, int64_t N,
+                int64_t n0, int64_t n1) {
+#define SPECJAX_QGROUP(M)                                                       \
+  case M:                                                                       \
+    for (n = n0; n + 2 <= n1; n += 2) QuantOutputs<Q, M, 2>(wq, x, y, K, N, n); \
+    if (n < n1) QuantOutputs<Q, M, 1>(wq, x, y, K, N, n);                       \
+    return;
+  int64_t n;
+  switch (rows) {
+    SPECJAX_QGROUP(1)
+    SPECJAX_QGROUP(2)
+    SPECJAX_QGROUP(3)
+    SPECJAX_QGROUP(4)
+    SPECJAX_QGROUP(5)
+    SPECJAX_QGROUP(6)
+    SPECJAX_QGROUP(7)
+    SPECJAX_QGROUP(8)
+  }
+#undef SPECJAX_QGROUP
+}
+
+template <int Q>
+struct QuantWork {
+  const uint8_t* wq;
+  const float* x;
+  float* y;
+  int64_t M, K, N, chunk, num_chunks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Run() {
+    for (;;) {
+      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= num_chunks) return;
+      const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
+      for (int64_t m0 = 0; m0 < M; m0 += kQRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kQRows, M - m0));
+        QuantGroup<Q>(rows, wq, x + m0 * K, y + m0 * N, K, N, n0, n1);
+      }
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+template <int Q>
+ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = wq.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("quant_matmul: x [M, K], wq [N, bytes], y [M, N]");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  if (K % kQK != 0 || wd[0] != N || wd[1] != K / kQK * QInfo<Q>::kBytes || yd[0] != M)
+    return ffi::Error::InvalidArgument("quant_matmul: shapes do not agree");
+  auto work = std::make_shared<QuantWork<Q>>();
+  work->wq = wq.typed_data();
+  work->x = x.typed_data();
+  work->y = y->typed_data();
+  work->M = M;
+  work->K = K;
+  work->N = N;
+  const int64_t threads = pool.num_threads();
+  const int64_t bytes = N * wd[1];
+  const int64_t helpers = (bytes < (128 << 10) || threads <= 1) ? 0 : threads;
+  int64_t chunk = std::max<int64_t>(8, N / std::max<int64_t>(1, 4 * (helpers + 1)));
+  chunk += chunk % 2;
+  work->chunk = chunk;
+  work->num_chunks = (N + chunk - 1) / chunk;
+  for (int64_t i = 0; i < std::min(helpers, work->num_chunks - 1); ++i)
+    pool.Schedule([work] { work->Run(); });
+  work->Run();
+  while (work->done.load(std::memory_order_acquire) < work->num_chunks) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 #define SPECJAX_HANDLER(NAME, T, D)                                                    \
@@ -268,4 +481,15 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 SPECJAX_HANDLER(SpecjaxSkinnyMatmul, float, ffi::F32)
 SPECJAX_HANDLER(SpecjaxSkinnyMatmulF16, F16Tag, ffi::F16)
 SPECJAX_HANDLER(SpecjaxSkinnyMatmulBF16, BF16Tag, ffi::BF16)
+
+#define SPECJAX_QHANDLER(NAME, Q)                                                        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, QuantMatmulImpl<Q>, ffi::Ffi::Bind()                \
+                                                             .Ctx<ffi::ThreadPool>()      \
+                                                             .Arg<ffi::Buffer<ffi::F32>>() \
+                                                             .Arg<ffi::Buffer<ffi::U8>>()  \
+                                                             .Ret<ffi::Buffer<ffi::F32>>());
+SPECJAX_QHANDLER(SpecjaxQuantMatmulQ4_0, kQ4_0)
+SPECJAX_QHANDLER(SpecjaxQuantMatmulQ4_1, kQ4_1)
+SPECJAX_QHANDLER(SpecjaxQuantMatmulQ8_0, kQ8_0)
+#undef SPECJAX_QHANDLER
 #undef SPECJAX_HANDLER

@@ -29,6 +29,7 @@ __all__ = [
     "gguf_metadata",
     "config_from_metadata",
     "load_gguf",
+    "load_gguf_blocks",
     "permute_rope_rows",
     "unpermute_rope_rows",
 ]
@@ -382,3 +383,39 @@ def _check_shapes(cfg: ModelConfig, params: dict, layers: list[dict]) -> None:
             if k not in layer or layer[k].shape != shape:
                 raise ValueError(f"GGUF layer {i} tensor {k}: expected shape {shape}, got "
                                  f"{None if k not in layer else layer[k].shape}")
+
+
+def load_gguf_blocks(path: str | os.PathLike, cfg: ModelConfig,
+                     qtypes: tuple[str, ...] = ("Q4_0", "Q4_1", "Q8_0")) -> dict:
+    """The file's block-quantized matrices as stored, for ``specjax.native``'s quantized kernel.
+
+    ``{"layers": [{ours: (qtype, q [N, row_bytes] uint8)}, ...], "lm_head": (qtype, q) or None}``:
+    row n of ``q`` is GGUF row n (output n; its blocks run along the input), i.e. column n of the
+    ``[in, out]`` weight ``load_gguf`` returns, Q/K rows un-permuted the same way, so
+    ``gguf.quants.dequantize(q, qtype)`` is exactly that weight transposed. ``lm_head`` is
+    ``output.weight``, or ``token_embd.weight`` when tied. Tensors of other types are left out.
+    """
+    reader = open_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    layers: list[dict] = [dict() for _ in range(cfg.num_layers)]
+
+    def blocks(tensor):
+        if tensor.tensor_type.name not in qtypes:
+            return None
+        q = np.array(tensor.data, dtype=np.uint8)  # a copy: no view into the memory map
+        return tensor.tensor_type.name, q.reshape(int(tensor.shape[-1]), -1)
+
+    for name, tensor in tensors.items():
+        m = _BLK.match(name)
+        if m is None or m.group(2) not in _LAYER_TENSORS or not _LAYER_TENSORS[m.group(2)][1]:
+            continue
+        layer, kind = int(m.group(1)), m.group(2)
+        b = blocks(tensor) if layer < cfg.num_layers else None
+        if b is None:
+            continue
+        if kind in ("attn_q", "attn_k"):
+            b = (b[0], unpermute_rope_rows(b[1], cfg.num_heads if kind == "attn_q"
+                                           else cfg.num_kv_heads))
+        layers[layer][_LAYER_TENSORS[kind][0]] = (b[0], np.ascontiguousarray(b[1]))
+    head = tensors.get("output.weight", tensors["token_embd.weight"])
+    return {"layers": layers, "lm_head": blocks(head)}
