@@ -33,8 +33,8 @@ def plain(target):
 
 @pytest.fixture(scope="module")
 def head(target, plain):
-    """A tiny DFlash drafter fitted for a few hundred Adam steps to the target's own greedy
-    continuations (so its drafts accept often but not always)."""
+    """A tiny DFlash drafter fitted for 150 Adam steps to the target's own greedy continuations
+    of half the prompts (so its drafts accept often on those rows, rarely on the others)."""
     tc = target.config
     cfg = dflash.DFlashConfig(num_layers=1, hidden_size=tc.hidden_size, num_heads=4,
                               num_kv_heads=2, head_dim=8, intermediate_size=64, block_size=BLOCK,
@@ -42,11 +42,11 @@ def head(target, plain):
                               target_hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
                               rope_theta=tc.rope_theta)
     params = dflash.init_params(cfg, jax.random.key(1), scale=0.2)
-    seqs = [p + o for p, o in zip(PROMPTS, plain)]
+    seqs = [p + o for p, o in zip(PROMPTS, plain)][::2]
     t = max(map(len, seqs))
     tokens = jnp.asarray([s + [0] * (t - len(s)) for s in seqs], jnp.int32)
     lengths = jnp.asarray([len(s) for s in seqs], jnp.int32)
-    plens = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
+    plens = jnp.asarray([len(p) for p in PROMPTS][::2], jnp.int32)
     feats = dflash.target_features(target.params, tc, cfg, tokens)
     hidden = jnp.concatenate([jnp.zeros(feats.shape[:2] + (tc.hidden_size,)), feats], -1)
     opt = optax.adam(1e-2)
