@@ -37,7 +37,8 @@ def test_gpu_check_cpu_smoke_correctness_section(gpu_check, tmp_path):
 
 def test_gpu_check_cpu_smoke(gpu_check, tmp_path):
     """The timing sections of the one-call GPU check with tiny settings on CPU (in the default
-    run, so a lent device never finds a broken script), and the gpu_timing.json they write."""
+    run, so a lent device never finds a broken script), and the gpu_timing.json they write.
+    Cost: 91 s of CPU (181 s wall at load average ~10 on the 2-core host, 2026-12-07)."""
     data = gpu_check.main(["--cpu-smoke", "--out", str(tmp_path), "--only",
                            "env,bandwidth,synthetic,smollm2,kernels"])
     sec = data["sections"]
