@@ -77,8 +77,9 @@ def main(argv=None) -> int:
     assert all(h[1:] == [0] * (len(h) - 1) for h in hists), "a k >= 1 step ran"
     print(f"adaptive (k forced to 0) / plain: {ratio:.3f}  (k histogram {hists[-1]})")
     if args.out:
+        from specjax.provenance import with_provenance  # noqa: PLC0415
         with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+            json.dump(with_provenance(report), f, indent=1)
     return 0
 
 

@@ -80,8 +80,9 @@ def main(argv=None) -> int:
               f"ratio {sp['median']:.2f}x [{sp['min']:.2f}..{sp['max']:.2f}]; identical {same}; "
               f"foreign {max(row[n]['max_foreign_cpu'] for n in variants):.1%}", flush=True)
     if args.out:
+        from specjax.provenance import with_provenance  # noqa: PLC0415
         with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+            json.dump(with_provenance(report), f, indent=1)
     return 0
 
 

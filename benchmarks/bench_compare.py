@@ -35,7 +35,8 @@ def main(argv=None) -> dict:
     print(report["table_md"])
     print(bench.summary(report))
     if args.json:
-        bench.dump(report, "/dev/stdout" if args.json == "-" else args.json)
+        from specjax.provenance import with_provenance  # noqa: PLC0415
+        bench.dump(with_provenance(report), "/dev/stdout" if args.json == "-" else args.json)
     return report
 
 

@@ -233,8 +233,9 @@ def main(argv=None):
               "machine": dict(bench.machine_info(), platform=platform.platform(),
                               devices=[str(d) for d in jax.devices()])}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    from specjax.provenance import with_provenance  # noqa: PLC0415
     with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+        json.dump(with_provenance(result), f, indent=2)
     print(f"wrote {args.out}")
     if args.write_fastest:
         import sys  # noqa: PLC0415

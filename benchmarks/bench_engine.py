@@ -182,8 +182,9 @@ def main(argv=None) -> dict:
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"engine_{args.model}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    from specjax.provenance import with_provenance  # noqa: PLC0415
     with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(with_provenance(result), f, indent=1)
     print("wrote", out)
     return result
 

@@ -106,8 +106,9 @@ def main(argv=None) -> dict:
     print(f"foreign CPU share median {result['foreign_cpu']['median']}, "
           f"loadavg before {load_before} after {result['loadavg_after']}")
     if args.out:
+        from specjax.provenance import with_provenance  # noqa: PLC0415
         with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+            json.dump(with_provenance(result), fh, indent=1)
     return result
 
 

@@ -70,8 +70,9 @@ def main(argv=None) -> dict:
     print(f"max foreign CPU: {'?' if fc is None else f'{100 * fc:.1f}%'}")
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        from specjax.provenance import with_provenance  # noqa: PLC0415
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(with_provenance(result), f, indent=1)
     return result
 
 

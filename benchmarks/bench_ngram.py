@@ -168,7 +168,8 @@ def main(argv=None) -> int:
     fcs = [v.get("max_foreign_cpu") for part in report.values() if isinstance(part, dict)
            for v in part.values() if isinstance(v, dict) and v.get("max_foreign_cpu") is not None]
     report["max_foreign_cpu"] = max(fcs) if fcs else None
-    text = json.dumps(report, indent=1, default=float)
+    from specjax.provenance import with_provenance  # noqa: PLC0415
+    text = json.dumps(with_provenance(report), indent=1, default=float)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -299,8 +299,9 @@ def _run(args) -> dict:
     report = {**info, "results": results, "greedy_identity": identity, "prefill": prefill,
               "table_md": table_md, "prefill_table_md": "\n".join(ptable)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    from specjax.provenance import with_provenance  # noqa: PLC0415
     with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+        json.dump(with_provenance(report), f, indent=2)
     print(f"wrote {args.out}")
     return report
 

@@ -100,8 +100,9 @@ def main(argv=None) -> int:
               f"{bench.max_foreign(*t.values())})", flush=True)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        from specjax.provenance import with_provenance  # noqa: PLC0415
         with open(args.out, "w") as f:
-            json.dump(report, f, indent=2, default=float)
+            json.dump(with_provenance(report), f, indent=2, default=float)
     return 0
 
 

@@ -269,8 +269,9 @@ def main(argv=None) -> dict:
               "table_md": table(results)}
     print(report["table_md"])
     if args.json:
+        from specjax.provenance import with_provenance  # noqa: PLC0415
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
+            json.dump(with_provenance(report), f, indent=2, default=str)
     return report
 
 

@@ -123,8 +123,9 @@ def main(argv=None):
                 platform=platform.platform(), jax=jax.__version__, batch=args.batch,
                 max_new_tokens=args.max_new_tokens, target_decode_ms=t_dec * 1e3, rows=rows)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    from specjax.provenance import with_provenance  # noqa: PLC0415
     with open(args.out, "w") as f:
-        json.dump(meta, f, indent=2)
+        json.dump(with_provenance(meta), f, indent=2)
 
 
 if __name__ == "__main__":

@@ -159,8 +159,9 @@ def main(argv=None) -> list:
             "jax": jax.__version__, "backend": jax.default_backend()}
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        from specjax.provenance import with_provenance  # noqa: PLC0415
         with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            json.dump(with_provenance({"meta": meta, "rows": rows}), f, indent=1)
         print(f"wrote {args.out}")
     return rows
 

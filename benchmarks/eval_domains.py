@@ -115,9 +115,11 @@ def main(argv=None):
                                        for label, _ in configs) + " |")
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        from specjax.provenance import with_provenance  # noqa: PLC0415
         with open(args.out, "w") as f:
-            json.dump({"draft": args.draft, "prompts_per_domain": args.prompts,
-                       "max_new_tokens": args.max_new_tokens, "results": res}, f, indent=2)
+            json.dump(with_provenance({"draft": args.draft, "prompts_per_domain": args.prompts,
+                                       "max_new_tokens": args.max_new_tokens, "results": res}),
+                      f, indent=2)
         print(f"wrote {args.out}")
     return 0
 

@@ -54,8 +54,9 @@ def main(argv=None):
             for split, v in m.items():
                 print(f"| {path} | {key} | {split} | {v[key_loss]:.3f} | {v['top1']:.3f} |")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    from specjax.provenance import with_provenance  # noqa: PLC0415
     with open(args.out, "w") as f:
-        json.dump(res, f, indent=2)
+        json.dump(with_provenance(res), f, indent=2)
     print(f"wrote {args.out}")
     return 0
 

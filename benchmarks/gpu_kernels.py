@@ -60,6 +60,7 @@ from jax import lax  # noqa: E402
 from pallas_kernels import paged_attention as pa  # noqa: E402
 from pallas_kernels import prefill_attention as pf  # noqa: E402
 from pallas_kernels import tree_attention as ta  # noqa: E402
+from specjax.provenance import provenance  # noqa: E402
 
 TOLERANCE = {"float32": 2e-5, "bfloat16": 3e-2}  # max abs error (outputs are O(1))
 
@@ -450,7 +451,8 @@ def main(out_dir: str | None = None, quick: bool = False, cpu_smoke: bool | None
                    "device": getattr(dev, "device_kind", str(dev)), "python": platform.python_version(),
                    "mode": "cpu-smoke" if cpu_smoke else "quick" if quick else "full",
                    "interpret": interpret},
-           "sizes": {k: v for k, v in dataclasses.asdict(sz).items() if not isinstance(v, tuple)}}
+           "sizes": {k: v for k, v in dataclasses.asdict(sz).items() if not isinstance(v, tuple)},
+           "provenance": provenance()}
     path = os.path.join(out_dir, "gpu_kernels.json")
 
     def save():

@@ -66,8 +66,9 @@ def main(argv=None) -> int:
         result["sizes"][n] = row
         print(f"{n} | " + " | ".join(f"{row[k]:.3f}" for k in ["all", *domains]))
     if args.out:
+        from specjax.provenance import with_provenance  # noqa: PLC0415
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(with_provenance(result), f, indent=2)
     return 0
 
 

@@ -41,37 +41,10 @@ import numpy as np
 # ------------------------------------------------------------------------------ the machine
 
 
-def usable_cpus() -> list[int]:
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return list(range(os.cpu_count() or 1))
-
-
-def _busy_s():
-    """Busy CPU seconds (everything but idle/iowait) summed over the usable CPUs, or None."""
-    want = {f"cpu{c}" for c in usable_cpus()}
-    total = 0
-    try:
-        with open("/proc/stat") as f:
-            for line in f:
-                parts = line.split()
-                if parts and parts[0] in want:
-                    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, parts[1:9])
-                    total += user + nice + system + irq + softirq + steal
-    except (OSError, ValueError):
-        return None
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def _process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, all threads) process ``pid`` has used, or 0 if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
+# The machine probing lives in specjax/provenance.py (shared with every result's provenance).
+from specjax.provenance import busy_cpu_s as _busy_s
+from specjax.provenance import process_cpu_s as _process_cpu_s
+from specjax.provenance import usable_cpus  # noqa: F401 (re-exported)
 
 
 class Timer:
@@ -170,18 +143,10 @@ def max_foreign(*results) -> float | None:
 
 
 def machine_info() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    try:
-        load = list(os.getloadavg())
-    except OSError:
-        load = None
-    return {"cpu_model": cpu, "cpu_count": os.cpu_count(), "usable_cpus": usable_cpus(),
-            "platform": platform.platform(), "loadavg": load}
+    """CPU model / count, usable CPUs, platform, load average (specjax.provenance.machine)."""
+    from specjax.provenance import machine  # noqa: PLC0415
+
+    return machine(window_s=0)
 
 
 def versions(hf: bool) -> dict:

@@ -28,15 +28,23 @@ def gpu_check():
     return _load("gpu_check")
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the correctness section (passed on an H200 on 2026-12-04); ~30 s more
+def test_gpu_check_cpu_smoke_correctness_section(gpu_check, tmp_path):
+    data = gpu_check.main(["--cpu-smoke", "--out", str(tmp_path), "--only", "env,smoke"])
+    sec = data["sections"]
+    assert sec["smoke"]["status"] == "ok" and sec["smoke"]["all_ok"], sec["smoke"]
+
+
 def test_gpu_check_cpu_smoke(gpu_check, tmp_path):
+    """The timing sections of the one-call GPU check with tiny settings on CPU (in the default
+    run, so a lent device never finds a broken script), and the gpu_timing.json they write.
+    Cost: 91 s of CPU (181 s wall at load average ~10 on the 2-core host, 2026-12-07)."""
     data = gpu_check.main(["--cpu-smoke", "--out", str(tmp_path), "--only",
-                           "env,bandwidth,smoke,synthetic,smollm2"])
+                           "env,bandwidth,synthetic,smollm2,kernels"])
     sec = data["sections"]
     assert {k: v["status"] for k, v in sec.items()} == {
-        "env": "ok", "bandwidth": "ok", "smoke": "ok", "synthetic": "ok", "smollm2": "ok"}, \
-        {k: v.get("error") for k, v in sec.items()}
-    assert sec["smoke"]["all_ok"], sec["smoke"]["checks"]
+        "env": "ok", "bandwidth": "ok", "synthetic": "ok", "smollm2": "ok",
+        "kernels": "ok"}, {k: v.get("error") for k, v in sec.items()}
     rows = sec["synthetic"]["rows"]
     # the planted structure: the target counts (x -> x + 1) in every row, specjax and HF alike
     assert all(r["target_counts"] > 0.95 for r in rows), rows
@@ -44,13 +52,36 @@ def test_gpu_check_cpu_smoke(gpu_check, tmp_path):
     # tokens per step = the value the planted good ids imply (runs of good ids, cut at max_new)
     assert spec and all(r["mean_accepted_length"] == pytest.approx(r["planted_accepted_length"],
                                                                    abs=0.05) for r in spec), spec
+    assert {r["batch"] for r in spec} == {1, 2}  # batch 1 and the batched setting
     # SmolLM2 stand-in through specjax.bench with the HF peer: greedy outputs identical per row
     for res in sec["smollm2"]["results"].values():
         for name, d in res.items():
             assert d["vs_hf"]["identical_rows"] == d["vs_hf"]["rows"], name
     saved = json.load(open(tmp_path / "gpu_check.json"))
-    assert saved["mode"] == "cpu-smoke"
+    assert saved["mode"] == "cpu-smoke" and saved["provenance"]["commit"]
     assert "| batch |" in (tmp_path / "gpu_check.md").read_text()
+    t = json.load(open(tmp_path / "gpu_timing.json"))
+    assert t["device"] and t["commit"] and t["date"] and t["versions"]["jax"]
+    assert t["hbm_bandwidth_Bps"] > 0
+    whats = [r["what"] for r in t["rows"]]
+    for part in ("plain decode, 8B-shaped", "speculative, same 1B-shaped draft LLM",
+                 "plain decode, SmolLM2", "speculative, same draft LLM both sides, SmolLM2",
+                 "prompt lookup", "head: MTP"):
+        assert any(w.startswith(part) for w in whats), (part, whats)
+    for r in t["rows"]:
+        assert set(r) >= {"what", "batch", "specjax_tok_s", "hf_tok_s", "ratio",
+                          "roofline_fraction", "acceptance"}
+        assert r["specjax_tok_s"] > 0 and r["roofline_fraction"] > 0
+        if r["hf_tok_s"]:
+            assert r["ratio"] == pytest.approx(r["specjax_tok_s"] / r["hf_tok_s"])
+        if r["what"].startswith(("speculative", "prompt lookup", "head")):
+            assert r["acceptance"] >= 1.0
+    b1 = {r["what"]: r for r in t["rows"] if r["batch"] == 1}
+    assert all(r["hf_tok_s"] for r in b1.values())  # every batch-1 row has its HF peer
+    k = t["kernels"]
+    assert k["kernels_all_correct"] and k["paged_verify"]["best"]["GBps"] > 0
+    assert k["tree_vs_chain_verify"] and all("tree_over_same_kernel_pct" in r
+                                             for r in k["tree_vs_chain_verify"])
 
 
 @pytest.mark.slow  # default-run time (README: ~15 min on 2 cores); run with -m slow
