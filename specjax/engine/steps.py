@@ -83,14 +83,15 @@ def init_state(target_cfg, draft_cfg, sc: StepConfig, num_pages: int, dtype) -> 
     plan = speculate.make_plan(target_cfg, draft_cfg, lc)
     target_kv = registry.init_cache(target_cfg, num_pages, lc.page_size, dtype)
     draft_kv, carry = plan.drafter.init(s1, num_pages, lc.page_size, dtype)
-    zeros = jnp.zeros((s1,), jnp.int32)
-    i0 = jnp.zeros((), jnp.int32)
+    def zeros(shape=(s1,), dtype=jnp.int32):  # a fresh buffer per field: they are donated
+        return jnp.zeros(shape, dtype)
+
     state = speculate.DecodeState(
-        target_kv=target_kv, draft_kv=draft_kv, page_table=jnp.zeros((s1, 1), jnp.int32),
-        lengths=jnp.ones((s1,), jnp.int32), last_token=zeros, carry=carry,
-        out_tokens=jnp.zeros((s1, 1), jnp.int32), num_out=zeros, done=jnp.ones((s1,), bool),
-        step=i0, row_keys=_row_keys(zeros, zeros), accepted_per_pos=jnp.zeros((max(lc.k_eff, 1),), jnp.int32),
-        row_steps=i0, drafted=i0, spec_steps=i0)
+        target_kv=target_kv, draft_kv=draft_kv, page_table=zeros((s1, 1)),
+        lengths=jnp.ones((s1,), jnp.int32), last_token=zeros(), carry=carry,
+        out_tokens=zeros((s1, 1)), num_out=zeros(), done=jnp.ones((s1,), bool), step=zeros(()),
+        row_keys=_row_keys(zeros(), zeros()), accepted_per_pos=zeros((max(lc.k_eff, 1),)),
+        row_steps=zeros(()), drafted=zeros(()), spec_steps=zeros(()))
     if plan.drafter.uses_history:
         state = dataclasses.replace(state, history=jnp.zeros((s1, sc.history_len), jnp.int32))
     if lc.adaptive:
