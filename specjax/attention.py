@@ -5,6 +5,10 @@ written at cache slots ``cache_start[b] + t``. Query t attends to
   * every slot j < cache_start[b] (the committed prefix) with no mask at all, and
   * new slot cache_start[b] + t' for t' < num_new[b] where ``new_mask[b, t, t']`` holds
     (causal ``t' <= t`` by default; an ancestor mask for draft trees).
+With a sliding ``window`` (Gemma 3's local layers), query t also needs
+``q_pos[b, t] - j < window`` for key slot j (a slot counts as its position: exact for the prefix
+and for chains, where slot = position; tree callers fold the window into ``new_mask`` by node
+positions, ``gemma.window_new_mask``); ``q_pos`` defaults to ``cache_start + t``.
 Everything else (stale entries beyond the sequence, other sequences' pages) is never read:
 its scores are masked and its values zeroed, so even NaN-poisoned pages cannot leak in.
 
@@ -39,7 +43,8 @@ BLOCK_TOKENS = 256  # keys per block of the blockwise path (rounded to whole pag
 
 
 def paged_attention_blockwise(q, k_pages, v_pages, page_table, cache_start, num_new,
-                              new_mask=None, *, scale=None, block_pages: int | None = None):
+                              new_mask=None, *, scale=None, block_pages: int | None = None,
+                              window: int | None = None, q_pos=None):
     """Paged attention as an online softmax over blocks of C pages, up to the live length.
 
     Args:
@@ -48,6 +53,9 @@ def paged_attention_blockwise(q, k_pages, v_pages, page_table, cache_start, num_
       page_table: [B, Pmax] int32; cache_start: [B] int32; num_new: [B] int32 (<= T).
       new_mask: optional [B, T, T] bool mask among the new tokens; default causal.
       block_pages: C, pages per block (default: BLOCK_TOKENS keys).
+      window: optional sliding window (static int >= 1): key slot j is visible to query t only
+        if ``q_pos[b, t] - j < window``; blocks wholly below every query's window are skipped.
+      q_pos: [B, T] int32 query positions for the window (default ``cache_start + t``).
     Returns:
       [B, T, H, D] in q's dtype.
     """
@@ -67,6 +75,13 @@ def paged_attention_blockwise(q, k_pages, v_pages, page_table, cache_start, num_
     todo = jnp.minimum((live + bk - 1) // bk, num_blocks)
     neg = jnp.finfo(jnp.float32).min
     # rows r = g * T + t of each (KV head, sequence): [Hkv, B, G*T, D], scaled once
+    if window is not None:
+        _check_window(window)
+        if q_pos is None:
+            q_pos = cache_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        first = jnp.maximum(jnp.min(q_pos) - window + 1, 0) // bk  # [] first block in a window
+    else:
+        first = jnp.int32(0)
     qr = (q.reshape(b, t, hkv, g, d).transpose(2, 0, 3, 1, 4).reshape(hkv, b, g * t, d)
           .astype(jnp.float32) * scale)
 
@@ -83,6 +98,8 @@ def paged_attention_blockwise(q, k_pages, v_pages, page_table, cache_start, num_
         new_ok = jnp.take_along_axis(new_mask, jnp.broadcast_to(rel_c[:, None, :], (b, t, bk)),
                                      axis=2)
         allowed = (j < start)[:, None, :] | (in_new[:, None, :] & new_ok)  # [B, T, bk]
+        if window is not None:
+            allowed = allowed & ((q_pos[:, :, None] - j[:, None, :]) < window)
         allowed = jnp.broadcast_to(allowed[:, None], (b, g, t, bk)).reshape(1, b, g * t, bk)
         vals = jnp.where(readable[None, :, :, None], vals, 0.0)
         sc = jnp.where(allowed, jnp.einsum("kbrd,kbnd->kbrn", qr, keys), neg)
@@ -97,19 +114,30 @@ def paged_attention_blockwise(q, k_pages, v_pages, page_table, cache_start, num_
             jnp.zeros((hkv, b, g * t, d), jnp.float32))
 
     def step(carry, i):  # blocks past the live length are skipped (a cond, so grads still flow)
-        return lax.cond(i < todo, body, lambda _, x: x, i, carry), None
+        return lax.cond((i < todo) & (i >= first), body, lambda _, x: x, i, carry), None
 
     (_, l, acc), _ = lax.scan(step, init, jnp.arange(num_blocks, dtype=jnp.int32))
     o = acc / jnp.where(l > 0, l, 1.0)[..., None]  # rows that may read nothing: 0
     return o.reshape(hkv, b, g, t, d).transpose(1, 3, 0, 2, 4).reshape(b, t, h, d).astype(q.dtype)
 
 
+def _check_window(window) -> None:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be None or an int >= 1, got {window!r}")
+
+
 def paged_attention(q, k_pages, v_pages, page_table, cache_start, num_new, new_mask=None, *,
-                    impl: str = "reference", scale=None):
-    """Dispatches to the plain-XLA or the Pallas implementation (same semantics)."""
+                    impl: str = "reference", scale=None, window: int | None = None, q_pos=None):
+    """Dispatches to the plain-XLA or the Pallas implementation (same semantics; ``window`` /
+    ``q_pos``: the sliding window, see the module docstring)."""
     if impl == "reference":
         return paged_attention_blockwise(q, k_pages, v_pages, page_table, cache_start, num_new,
-                                         new_mask, scale=scale)
+                                         new_mask, scale=scale, window=window, q_pos=q_pos)
+    if window is not None:
+        _check_window(window)
+        if impl == "pallas":
+            raise ValueError("attention impl 'pallas' has no sliding-window kernel yet "
+                             "(window is only supported by impl='reference')")
     if impl == "pallas":
         return _pallas.paged_attention(q, k_pages, v_pages, page_table, cache_start, num_new,
                                         new_mask, scale=scale)

