@@ -49,12 +49,14 @@ def load_model(path: str, dtype=jnp.float32, mesh=None, weights: str = "quantize
     Raises:
       ValueError: an unsupported ``model_type`` (the message names the supported ones).
     """
-    from specjax.io import checkpoint, families  # noqa: PLC0415
+    from specjax.io import checkpoint, families  # noqa: PLC0415 - orbax only when loading
 
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
     if not isinstance(path, str):
         raise TypeError(f"load_model: path must be a str or path, got {type(path).__name__}")
+    if weights not in ("quantized", "float32"):
+        raise ValueError(f"load_model: weights must be 'quantized' or 'float32', got {weights!r}")
     if path in BUILTIN_MODELS:
         from specjax.io import gguf  # noqa: PLC0415
         cfg, params = gguf.load_gguf(gguf.builtin_gguf_path(path))
@@ -74,11 +76,9 @@ def load_model(path: str, dtype=jnp.float32, mesh=None, weights: str = "quantize
             "transformers directory with config.json, or a specjax checkpoint")
     registry.check_params(params, cfg)
     model = _as_model(cfg, params, dtype, path)
-    if weights not in ("quantized", "float32"):
-        raise ValueError(f"load_model: weights must be 'quantized' or 'float32', got {weights!r}")
     if weights == "quantized" and mesh is None and (path in BUILTIN_MODELS or path.endswith(".gguf")):
-        from specjax import native  # noqa: PLC0415  (a GGUF branch above imported gguf)
-        native.attach_gguf(model, path if path.endswith(".gguf") else gguf.smollm2_gguf_path())
+        # a GGUF branch above imported gguf
+        native.attach_gguf(model, path if path.endswith(".gguf") else gguf.builtin_gguf_path(path))
     return model if mesh is None else _shard(model, mesh)
 
 
