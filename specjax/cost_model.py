@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import kv_cache, native, registry
+from specjax import heads, kv_cache, native, registry, speculate
+from specjax.config import SpecConfig
 from specjax.model import Model
 
 # Bump when what a step does (and so what it costs) changes: cached costs of an older step are
@@ -95,9 +96,6 @@ def _step_times(target_params, target_cfg, draft_params, draft_cfg, *, method: s
     plain step): the jitted step the loop runs (draft, verify, accept, drafter catch-up,
     commit), on a state prefilled with ``context`` tokens, its buffers donated so the caches
     stay in place as in the loop; ``reps`` rounds, each timing every k once (interleaved)."""
-    from specjax import kv_cache, speculate  # noqa: PLC0415
-    from specjax.config import SpecConfig  # noqa: PLC0415
-
     lc = SpecConfig(method=method, num_draft_tokens=kmax, page_size=page_size, attn_impl=attn_impl)
     out_len = (reps + 3) * (kmax + 1) + 1  # every token the timed steps can emit
     per_seq = kv_cache.pages_needed(context + out_len + lc.extra_slots, page_size)
@@ -138,7 +136,6 @@ def measure_costs(target_params, target_cfg, draft_params, draft_cfg, *, method:
     costs, bookkeeping included) after ``context`` cached tokens, and the drafter's forwards
     over 1 and LAG_WINDOW tokens, at this batch size.
     """
-    from specjax import heads, kv_cache, speculate  # noqa: PLC0415
 
     key = cost_key(target_cfg, draft_cfg, dtype, batch, method, kmax,
                    native_on=uses_native(target_params) or uses_native(draft_params))
