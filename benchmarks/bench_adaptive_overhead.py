@@ -5,7 +5,7 @@ chooses k = 0 on every step: the ratio measures what the adaptive machinery adds
 (the lax.switch over k-variants, the lag-window writes, the estimate update, catch-ups never
 happen). SmolLM2 + the best shipped MTP head, batch 1, greedy, EOS off; one warm-up call per
 case, then ``--rounds`` interleaved rounds (alternating order), median tokens/s with the spread
-and the foreign CPU share (specjax.bench.interleaved_rounds).
+and the foreign CPU share (specjax.timing.interleaved_rounds).
 
     python benchmarks/bench_adaptive_overhead.py            # quiet machine, ~3 minutes
 """
@@ -20,7 +20,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import specjax as sj  # noqa: E402
-from specjax import bench, cost_model, shipped  # noqa: E402
+from specjax import cost_model, shipped, timing  # noqa: E402
 from specjax.train.corpora import chat_prompts  # noqa: E402
 
 
@@ -62,13 +62,13 @@ def main(argv=None) -> int:
             return n
         return go
 
-    res = bench.interleaved_rounds({"plain": run(False), "adaptive k=0": run(True)},
+    res = timing.interleaved_rounds({"plain": run(False), "adaptive k=0": run(True)},
                                    rounds=args.rounds)
-    report = {"command": " ".join(["python"] + sys.argv), "machine": bench.machine_info(),
+    report = {"command": " ".join(["python"] + sys.argv), "machine": timing.machine_info(),
               "head": name, "k_histogram_last": hists[-1], "cases": {}}
     for case, r in res.items():
         tps = [r["result"] / w for w in r["wall_s"]]
-        sp = bench.spread(tps)
+        sp = timing.spread(tps)
         report["cases"][case] = {"tokens_per_second": tps, **sp, "foreign_cpu": r["foreign_cpu"]}
         print(f"{case:14s} {sp['median']:6.1f} tok/s [{sp['min']:.1f}..{sp['max']:.1f}]"
               f"  foreign {max(f or 0 for f in r['foreign_cpu']):.1%}")

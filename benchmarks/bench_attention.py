@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     import jax  # noqa: PLC0415
 
     import specjax as sj  # noqa: PLC0415
-    from specjax import attention, bench  # noqa: PLC0415
+    from specjax import attention, timing  # noqa: PLC0415
 
     blockwise = attention.paged_attention_blockwise
 
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     variants = {"one-shot": oneshot, "blockwise": blockwise}
     target = sj.load_model(args.model)
     rng = np.random.default_rng(0)
-    report = {"machine": bench.machine_info(), "command": " ".join(sys.argv), "settings": {}}
+    report = {"machine": timing.machine_info(), "command": " ".join(sys.argv), "settings": {}}
     for setting in args.settings.split(","):
         b, plen, new = (int(x) for x in setting.split("x"))
         prompts = [rng.integers(100, 20000, plen).tolist() for _ in range(b)]
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
                 jax.clear_caches()
                 kw = dict(max_new_tokens=new, temperature=0.0, eos_token_id=[])
                 sj.generate(target, prompts, **kw)  # compile (untimed)
-                with bench.Timer() as t:
+                with timing.Timer() as t:
                     out = sj.generate(target, prompts, **kw)
                 res[name]["wall_s"].append(t.wall)
                 res[name]["foreign_cpu"].append(t.foreign)
@@ -69,9 +69,9 @@ def main(argv=None) -> int:
         row = {"identical_tokens": same}
         for name in variants:
             tps = [b * new / w for w in res[name]["wall_s"]]
-            row[name] = {"tokens_per_s": bench.spread(tps), "wall_s": res[name]["wall_s"],
+            row[name] = {"tokens_per_s": timing.spread(tps), "wall_s": res[name]["wall_s"],
                          "max_foreign_cpu": max(f or 0.0 for f in res[name]["foreign_cpu"])}
-        row["blockwise_vs_oneshot"] = bench.paired_speedup(res["one-shot"]["wall_s"],
+        row["blockwise_vs_oneshot"] = timing.paired_speedup(res["one-shot"]["wall_s"],
                                                            res["blockwise"]["wall_s"])
         report["settings"][setting] = row
         o, bw, sp = row["one-shot"]["tokens_per_s"], row["blockwise"]["tokens_per_s"], row["blockwise_vs_oneshot"]

@@ -9,7 +9,7 @@ Greedy outputs are compared per row with HF plain; mismatches are reported, not 
 
 The draft LLM is ``checkpoints/smollm2-draft`` when it exists, else an untrained early-exit draft
 (the target's first ``--early-exit-layers`` layers). The measurement code is
-``specjax/bench.py`` (``specjax bench`` runs the same with small defaults).
+``benchmarks/hf_compare.py`` (``specjax bench`` runs the same with small defaults).
 
 Usage (the RESULTS.md run; 1 core, see there for why):
   taskset -c 0 python benchmarks/bench_compare.py --torch-threads 1
@@ -19,24 +19,26 @@ Writes benchmarks/results/compare.json and compare.md.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from specjax import bench
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: hf_compare
+import hf_compare  # noqa: E402
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench.add_arguments(ap, max_new_tokens=64, num_prompts=8, batch=8, repeats=2,
+    hf_compare.add_arguments(ap, max_new_tokens=64, num_prompts=8, batch=8, repeats=2,
                         out="benchmarks/results/compare.json")
     args = ap.parse_args(argv)
-    report = bench.run_from_args(args)
+    report = hf_compare.run_from_args(args)
     print(report["table_md"])
-    print(bench.summary(report))
+    print(hf_compare.summary(report))
     if args.json:
         from specjax.provenance import with_provenance  # noqa: PLC0415
-        bench.dump(with_provenance(report), "/dev/stdout" if args.json == "-" else args.json)
+        hf_compare.dump(with_provenance(report), "/dev/stdout" if args.json == "-" else args.json)
     return report
 
 

@@ -2,7 +2,7 @@
 
 Every draft (MTP / EAGLE heads, draft LLMs) runs on the same held-out chat prompts (never trained
 on), temperature 0, batch 1 (each prompt its own call, as a chat user would), at each k. Timing
-(specjax.bench.interleaved_rounds): one warm-up pass per configuration, then ``--rounds`` rounds;
+(specjax.timing.interleaved_rounds): one warm-up pass per configuration, then ``--rounds`` rounds;
 a pass runs every prompt once, and each round runs plain decoding and every configuration in
 alternating order, so load drift hits all alike. Speedup = plain pass wall time / speculative pass
 wall time per round: the median and the [min, max] over rounds are reported, with the largest
@@ -33,7 +33,7 @@ import time
 import jax
 
 import specjax as sj
-from specjax import bench
+from specjax import timing
 from specjax import shipped
 from specjax.heads import Head
 from specjax.train.corpora import chat_prompts
@@ -196,14 +196,14 @@ def main(argv=None):
 
     runs = {"plain": lambda: one_pass({})}
     runs.update({c: (lambda c=c: one_pass(configs[c][1])) for c in configs})
-    res = bench.interleaved_rounds(runs, rounds=args.rounds, wait_idle_s=args.wait_idle)
+    res = timing.interleaved_rounds(runs, rounds=args.rounds, wait_idle_s=args.wait_idle)
     plain = res["plain"]
     want = [o.tokens[0] for o in plain["result"]]
 
     rows = []
     print(f"\n{len(prompts)} {args.prompt_set} prompts, {args.max_new_tokens} new tokens, greedy, "
           f"batch 1, {args.rounds} interleaved rounds; plain pass median "
-          f"{bench.spread(plain['wall_s'])['median']:.1f} s")
+          f"{timing.spread(plain['wall_s'])['median']:.1f} s")
     print("| draft | method | k | mean accepted length | speedup over plain (median [min, max]) | "
           "identical to plain | max foreign CPU |")
     print("|---|---|---|---|---|---|---|")
@@ -212,8 +212,8 @@ def main(argv=None):
         outs = r["result"]
         steps = sum(o.stats["row_steps"] for o in outs)
         after_first = sum(o.stats["generated_tokens"] - 1 for o in outs)
-        sp = bench.paired_speedup(plain["wall_s"], r["wall_s"])
-        fc = bench.max_foreign(plain, r)
+        sp = timing.paired_speedup(plain["wall_s"], r["wall_s"])
+        fc = timing.max_foreign(plain, r)
         row = dict(draft=name, method=extra["method"], k=label,
                    mean_accepted_length=after_first / steps if steps else float("nan"),
                    speedup=sp, identical_to_plain=[o.tokens[0] for o in outs] == want,
@@ -230,7 +230,7 @@ def main(argv=None):
               "max_new_tokens": args.max_new_tokens, "ks": ks, "rounds": args.rounds,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "plain_wall_time_s": plain["wall_s"], "rows": rows,
-              "machine": dict(bench.machine_info(), platform=platform.platform(),
+              "machine": dict(timing.machine_info(), platform=platform.platform(),
                               devices=[str(d) for d in jax.devices()])}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     from specjax.provenance import with_provenance  # noqa: PLC0415

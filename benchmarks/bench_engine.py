@@ -8,7 +8,7 @@ For each method (plain, draft-target, MTP) and batch size B, the same N greedy r
 * static: ``sj.generate`` on consecutive groups of B prompts (static batching, one jitted
   while-loop per group).
 
-How it times (specjax.bench.interleaved_rounds): for each (method, batch) the engine run and the
+How it times (specjax.timing.interleaved_rounds): for each (method, batch) the engine run and the
 static run are each run once untimed (every compilation, the static run's last short group
 included), then timed in ``--rounds`` rounds, in alternating order (engine, static / static,
 engine, ...), so load drift hits both alike. ``--wait-idle`` waits up to that many seconds for a
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 import specjax as sj  # noqa: E402
-from specjax import bench  # noqa: E402
+from specjax import timing  # noqa: E402
 from specjax.config import SpecConfig  # noqa: E402
 from specjax.engine import Engine, EngineConfig, RequestParams  # noqa: E402
 
@@ -115,8 +115,8 @@ def static_runner(target, draft, method, batch, prompts, args):
 
 
 def _timed(r: dict, n_tok: int) -> dict:
-    return {"wall_s": r["wall_s"], "tokens_per_second": bench.spread([n_tok / w for w in r["wall_s"]]),
-            "foreign_cpu": r["foreign_cpu"], "max_foreign_cpu": bench.max_foreign(r)}
+    return {"wall_s": r["wall_s"], "tokens_per_second": timing.spread([n_tok / w for w in r["wall_s"]]),
+            "foreign_cpu": r["foreign_cpu"], "max_foreign_cpu": timing.max_foreign(r)}
 
 
 def main(argv=None) -> dict:
@@ -128,11 +128,11 @@ def main(argv=None) -> dict:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--k", type=int, default=None, help="draft length (default 3 tiny, 1 smollm2)")
     p.add_argument("--early-exit", type=int, default=8)
-    bench.add_timing_args(p)
+    timing.add_timing_args(p)
     p.add_argument("--out", default=None, help="JSON report (default "
                                                "benchmarks/results/engine_<model>.json)")
     args = p.parse_args(argv)
-    bench.check_timing_args(p, args)
+    timing.check_timing_args(p, args)
     if args.rounds < 3:
         print(f"note: {args.rounds} round(s): the spread needs >= 3", file=sys.stderr)
     args.k = args.k or (3 if args.model == "tiny" else 1)
@@ -144,7 +144,7 @@ def main(argv=None) -> dict:
             continue
         draft, desc = (None, "-") if method == "none" else drafts[method]
         for batch in map(int, args.batches.split(",")):
-            res = bench.interleaved_rounds(
+            res = timing.interleaved_rounds(
                 {"engine": engine_runner(target, draft, method, batch, prompts, args, bucket),
                  "static": static_runner(target, draft, method, batch, prompts, args)},
                 rounds=args.rounds, wait_idle_s=args.wait_idle)
@@ -154,9 +154,9 @@ def main(argv=None) -> dict:
             row = {"method": method, "draft": desc, "batch": batch, "engine": eng, "generate": gen,
                    "engine_over_static": eng["tokens_per_second"]["median"]
                    / gen["tokens_per_second"]["median"],
-                   "engine_over_static_per_round": bench.paired_speedup(res["static"]["wall_s"],
+                   "engine_over_static_per_round": timing.paired_speedup(res["static"]["wall_s"],
                                                                         res["engine"]["wall_s"]),
-                   "max_foreign_cpu": bench.max_foreign(res["engine"], res["static"]),
+                   "max_foreign_cpu": timing.max_foreign(res["engine"], res["static"]),
                    "identical": eng_out == gen_out}
             rows.append(row)
             et, gt, fc = eng["tokens_per_second"], gen["tokens_per_second"], row["max_foreign_cpu"]
@@ -177,7 +177,7 @@ def main(argv=None) -> dict:
               "max_foreign_cpu": max_fc, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": " ".join(["python", "benchmarks/bench_engine.py"]
                                   + (sys.argv[1:] if argv is None else list(argv))),
-              "machine": bench.machine_info(), "jax": jax.__version__,
+              "machine": timing.machine_info(), "jax": jax.__version__,
               "backend": jax.default_backend(), "rows": rows}
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"engine_{args.model}.json")

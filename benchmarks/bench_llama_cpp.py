@@ -136,7 +136,7 @@ def main(argv=None) -> dict:
         raise ValueError(f"--modes: a comma list of plain, lookup; got {args.modes!r}")
 
     import specjax as sj
-    from specjax.bench import machine_info, versions
+    from specjax.provenance import machine as machine_info, versions
     from specjax.io.gguf import smollm2_gguf_path
     from specjax.train.corpora import chat_prompts
 
@@ -185,7 +185,7 @@ def main(argv=None) -> dict:
                        "rounds": v} for s, v in per.items()} for m, per in rates.items()}
     result = {
         "command": " ".join(["python", *sys.argv]), "commit": _commit(), "gguf": path,
-        "machine": machine_info(), "versions": dict(versions(hf=False), llama_cpp=llama.version),
+        "machine": machine_info(), "versions": dict(versions(), llama_cpp=llama.version),
         "threads": args.threads, "max_new_tokens": n_new, "num_prompts": len(prompts),
         "rounds": args.rounds, "lookup_tokens": k, "specjax_weights": args.specjax_weights,
         "greedy_prompts_equal": agree, "loadavg": loads, "results": summary,

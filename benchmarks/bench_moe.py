@@ -5,7 +5,7 @@ float32, random router choices (softmax top-k over random logits, so loads are u
 Both paths are jitted and warmed up once (compile excluded); then ``--rounds`` interleaved
 rounds each time ``--iters`` calls of dense, then of grouped. Reported: median ms per call,
 the spread (min / max over rounds), grouped / dense ratio of the medians (target <= 0.25), the
-foreign CPU share during the timed rounds (specjax.bench.Timer: other processes' busy time on
+foreign CPU share during the timed rounds (specjax.timing.Timer: other processes' busy time on
 the usable CPUs) and the load average before and after. The outputs of the two paths are
 compared (max |difference|) so a fast wrong path cannot pass.
 
@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from specjax import moe  # noqa: E402
-from specjax.bench import Timer, machine_info  # noqa: E402
+from specjax.timing import Timer, machine_info  # noqa: E402
 
 
 def _loadavg():

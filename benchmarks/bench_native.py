@@ -4,7 +4,7 @@ The verify / decode cost ratio decides whether speculation pays (a k-token chain
 T = k + 1 tokens; a tree N + 1). This times one jitted SmolLM2 forward at batch 1 after
 ``--context`` cached tokens for each T, with the canonical params (every product is XLA's dot)
 and with ``specjax.native.inference_params`` (the packed kernel for up to MAX_ROWS rows), in
-interleaved rounds (specjax.bench.interleaved_rounds: warm-up excluded, alternating order, the
+interleaved rounds (specjax.timing.interleaved_rounds: warm-up excluded, alternating order, the
 other processes' CPU share recorded), and reports milliseconds and the ratios to each side's own
 T = 1 step (median [min..max] over rounds).
 
@@ -20,7 +20,7 @@ import sys
 import time
 
 import specjax as sj
-from specjax import bench, native
+from specjax import cost_model, native, timing
 
 
 def main(argv=None) -> dict:
@@ -30,9 +30,9 @@ def main(argv=None) -> dict:
     p.add_argument("--context", type=int, default=128, help="cached tokens before the T new ones")
     p.add_argument("--repeats", type=int, default=10, help="forwards per timed call")
     p.add_argument("--out", default=None, help="write the JSON result here")
-    bench.add_timing_args(p)
+    timing.add_timing_args(p)
     args = p.parse_args(argv)
-    bench.check_timing_args(p, args)
+    timing.check_timing_args(p, args)
     if not native.available():
         p.error("the native kernel is not available here (needs the CPU backend and a C++ compiler)")
     ts = sorted({int(t) for t in args.ts.split(",")})
@@ -41,25 +41,25 @@ def main(argv=None) -> dict:
     runs = {}
     for t in ts:
         for side, params in sides.items():
-            fwd = bench.forward_fn(target, t, args.context, params=params)
+            fwd = cost_model.forward_fn(target, t, args.context, params=params)
             runs[f"{side} T={t}"] = (lambda f=fwd: [f() for _ in range(args.repeats)])
-    timed = bench.interleaved_rounds(runs, rounds=args.rounds, wait_idle_s=args.wait_idle)
+    timed = timing.interleaved_rounds(runs, rounds=args.rounds, wait_idle_s=args.wait_idle)
     ms = {n: [1e3 * w / args.repeats for w in r["wall_s"]] for n, r in timed.items()}
     rows = []
     for t in ts:
         row = {"T": t}
         for side in sides:
             own = ms[f"{side} T={t}"]
-            row[f"{side}_ms"] = bench.spread(own)
-            row[f"{side}_over_own_decode"] = bench.paired_speedup(own, ms[f"{side} T=1"])
-        row["native_over_xla"] = bench.paired_speedup(ms[f"native T={t}"], ms[f"xla T={t}"])
+            row[f"{side}_ms"] = timing.spread(own)
+            row[f"{side}_over_own_decode"] = timing.paired_speedup(own, ms[f"{side} T=1"])
+        row["native_over_xla"] = timing.paired_speedup(ms[f"native T={t}"], ms[f"xla T={t}"])
         rows.append(row)
     result = {"command": "python benchmarks/bench_native.py " + " ".join(
                   sys.argv[1:] if argv is None else argv),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "model": args.model, "context": args.context, "repeats": args.repeats,
-              "rounds": args.rounds, "rows": rows, "max_foreign_cpu": bench.max_foreign(*timed.values()),
-              "machine": bench.machine_info()}
+              "rounds": args.rounds, "rows": rows, "max_foreign_cpu": timing.max_foreign(*timed.values()),
+              "machine": timing.machine_info()}
     print(f"{'T':>3} | {'xla ms':>8} | {'native ms':>9} | xla / own T=1 | native / own T=1 | "
           f"native / xla")
     for r in rows:

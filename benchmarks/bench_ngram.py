@@ -2,7 +2,7 @@
 
 Three comparisons, each at batch 1 (prompts one after another), greedy, EOS off, interleaved
 rounds (a warm-up round compiles, then ``--rounds`` timed rounds with the cases in alternating
-order; specjax.bench.measure), median tokens/s with the spread (min..max over rounds) and the
+order; specjax.hf_compare.measure), median tokens/s with the spread (min..max over rounds) and the
 foreign CPU share during every timed run:
 
 1. ``reuse``: prompts whose answers reuse the prompt (benchmarks/data/reuse_prompts.json:
@@ -35,7 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 import specjax as sj  # noqa: E402
-from specjax import bench  # noqa: E402
+from specjax import timing  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: hf_compare
+import hf_compare  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "reuse_prompts.json")
 
@@ -50,7 +53,7 @@ def _case(target, name, method, draft, k, n_new, adaptive=False, desc="-"):
         if "k_histogram" in s:
             extra["k_histogram"] = s["k_histogram"]
         return out.tokens, extra
-    return bench.Case(name, "specjax", method + (" adaptive" if adaptive else ""), desc,
+    return hf_compare.Case(name, "specjax", method + (" adaptive" if adaptive else ""), desc,
                       0 if method == "none" else k, run)
 
 
@@ -70,7 +73,7 @@ def _summarise(res: dict, base: str) -> dict:
 
 
 def _measure(cases, prompts, args):
-    res = bench.measure(cases, prompts, batch=1, repeats=args.rounds, wait_idle_s=args.wait_idle,
+    res = hf_compare.measure(cases, prompts, batch=1, repeats=args.rounds, wait_idle_s=args.wait_idle,
                         progress=args.progress)["batch1"]
     return res
 
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
     target, reuse, chat, head = tiny_setup() if args.tiny else smollm2_setup(args)
     n = args.max_new_tokens
     parts = args.parts.split(",")
-    report = {"machine": bench.machine_info(), "versions": bench.versions(args.hf),
+    report = {"machine": timing.machine_info(), "versions": hf_compare.versions(args.hf),
               "command": " ".join(sys.argv), "max_new_tokens": n, "rounds": args.rounds,
               "tiny": args.tiny}
 
@@ -133,7 +136,7 @@ def main(argv=None) -> int:
         cases = [_case(target, "specjax plain", "none", None, 1, n),
                  _case(target, "specjax ngram", "ngram", None, args.k_ngram, n, desc="n-grams")]
         if args.hf:
-            cases = bench.hf_cases(target, n, prompt_lookup_k=args.k_ngram) + cases
+            cases = hf_compare.hf_cases(target, n, prompt_lookup_k=args.k_ngram) + cases
         res = _measure(cases, reuse, args)
         report["reuse"] = _summarise(res, "specjax plain")
         if args.hf:

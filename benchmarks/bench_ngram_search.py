@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from specjax import bench, ngram  # noqa: E402
+from specjax import ngram, timing  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
             lens = jnp.full((b,), width - 8, jnp.int32)
             jax.block_until_ready(fn(hist, lens, args.k, 1, args.ngram_max))
             times = []
-            with bench.Timer() as t:
+            with timing.Timer() as t:
                 for _ in range(args.reps):
                     t0 = time.perf_counter()
                     jax.block_until_ready(fn(hist, lens, args.k, 1, args.ngram_max))

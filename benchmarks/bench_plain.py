@@ -40,7 +40,10 @@ import time
 
 import numpy as np
 
-from specjax.bench import Timer, hf_generate, machine_info, usable_cpus, versions, wait_idle
+from specjax.timing import Timer, machine_info, usable_cpus, wait_idle
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: hf_compare
+from hf_compare import hf_generate, versions  # noqa: E402
 
 
 def _loadavg():

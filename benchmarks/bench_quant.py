@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
 
     import specjax as sj
     from specjax import native
-    from specjax.bench import machine_info, versions
+    from specjax.provenance import machine as machine_info, versions
     from specjax.train.corpora import chat_prompts
 
     if not native.available():
@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
                    "rounds": v} for n, v in rates.items()}
     result = {
         "command": " ".join(["python", *sys.argv]), "commit": _commit(),
-        "machine": machine_info(), "versions": versions(hf=False), "cpu_count": os.cpu_count(),
+        "machine": machine_info(), "versions": versions(), "cpu_count": os.cpu_count(),
         "max_new_tokens": n_new, "num_prompts": len(prompts), "rounds": args.rounds,
         "greedy_tokens_equal": same, "loadavg": loads, "results": summary,
         "speedup_median": summary["quantized"]["median_tok_s"] / summary["float32"]["median_tok_s"],

@@ -8,7 +8,7 @@ greedy decoding end to end.
    row greedy, same prompts and lengths (no EOS stop), so the ratio is what sampling adds to a
    decode step (the corpus job samples half its batches).
 
-All runs interleaved (specjax.bench.interleaved_rounds), median and [min..max] over rounds, the
+All runs interleaved (specjax.timing.interleaved_rounds), median and [min..max] over rounds, the
 other processes' CPU share recorded.
 
   python benchmarks/bench_sampler.py --rounds 5 --out benchmarks/results/sampler.json
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import bench, sampling
+from specjax import sampling, timing
 
 
 def gumbel_sample_logits(keys, logits, temperature, top_k, top_p):
@@ -61,21 +61,21 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-batch", type=int, default=64, help="0 skips the end-to-end part")
     ap.add_argument("--gen-tokens", type=int, default=48)
     ap.add_argument("--out", default=None)
-    bench.add_timing_args(ap)
+    timing.add_timing_args(ap)
     args = ap.parse_args(argv)
-    bench.check_timing_args(ap, args)
-    report = {"machine": bench.machine_info(), "rounds": args.rounds, "op": {}, "generate": None}
+    timing.check_timing_args(ap, args)
+    report = {"machine": timing.machine_info(), "rounds": args.rounds, "op": {}, "generate": None}
     v = 49152
     for b in (int(x) for x in args.batches.split(",") if x):
-        t = bench.interleaved_rounds(op_runs(b, v, args.calls), rounds=args.rounds,
+        t = timing.interleaved_rounds(op_runs(b, v, args.calls), rounds=args.rounds,
                                      wait_idle_s=args.wait_idle)
-        sp = bench.paired_speedup(t["gumbel"]["wall_s"], t["inverse_cdf"]["wall_s"])
+        sp = timing.paired_speedup(t["gumbel"]["wall_s"], t["inverse_cdf"]["wall_s"])
         ms = {n: float(np.median(t[n]["wall_s"]) / args.calls * 1e3) for n in t}
         report["op"][b] = {"ms_per_call": ms, "gumbel_over_inverse_cdf": sp,
-                           "max_foreign_cpu": bench.max_foreign(*t.values())}
+                           "max_foreign_cpu": timing.max_foreign(*t.values())}
         print(f"B={b:>3} V={v}: inverse CDF {ms['inverse_cdf']:.2f} ms, Gumbel {ms['gumbel']:.2f} ms "
               f"per call; Gumbel/inverse {sp['median']:.2f}x [{sp['min']:.2f}..{sp['max']:.2f}] "
-              f"(foreign CPU <= {bench.max_foreign(*t.values())})", flush=True)
+              f"(foreign CPU <= {timing.max_foreign(*t.values())})", flush=True)
     if args.gen_batch:
         import specjax as sj  # noqa: PLC0415
         from specjax.train.prompts import broad_prompts  # noqa: PLC0415
@@ -87,17 +87,17 @@ def main(argv=None) -> int:
         kw = dict(max_new_tokens=args.gen_tokens, eos_token_id=[])
         runs = {"greedy": lambda: sj.generate(target, prompts, temperature=0.0, **kw),
                 "sampled": lambda: sj.generate(target, prompts, temperature=0.7, seed=1, **kw)}
-        t = bench.interleaved_rounds(runs, rounds=args.rounds, wait_idle_s=args.wait_idle)
-        sp = bench.paired_speedup(t["greedy"]["wall_s"], t["sampled"]["wall_s"])
+        t = timing.interleaved_rounds(runs, rounds=args.rounds, wait_idle_s=args.wait_idle)
+        sp = timing.paired_speedup(t["greedy"]["wall_s"], t["sampled"]["wall_s"])
         n_tok = len(prompts) * args.gen_tokens
         tps = {n: n_tok / float(np.median(t[n]["wall_s"])) for n in t}
         report["generate"] = {"batch": len(prompts), "prompt_tokens": 40, "new_tokens": args.gen_tokens,
                               "tokens_per_s": tps, "sampled_over_greedy_speed": sp,
-                              "max_foreign_cpu": bench.max_foreign(*t.values())}
+                              "max_foreign_cpu": timing.max_foreign(*t.values())}
         print(f"generate B={len(prompts)}, 40-token prompts, {args.gen_tokens} new: greedy "
               f"{tps['greedy']:.0f} tok/s, sampled {tps['sampled']:.0f} tok/s; sampled speed / greedy "
               f"{sp['median']:.2f}x [{sp['min']:.2f}..{sp['max']:.2f}] (foreign CPU <= "
-              f"{bench.max_foreign(*t.values())})", flush=True)
+              f"{timing.max_foreign(*t.values())})", flush=True)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         from specjax.provenance import with_provenance  # noqa: PLC0415

@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from specjax.bench import Timer
+from specjax.timing import Timer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = os.path.join(ROOT, "benchmarks", "data", "smollm2_prompts.json")

@@ -11,7 +11,7 @@ target decode (T=1), target verify (T=k+1), draft step (T=1) and draft catch-up 
 The second model accounts for what the formula ignores on CPU: a T=k+1 verify costs more than a
 T=1 decode (skinny GEMMs are dearer than mat-vecs here).
 
-Timing (specjax.bench.interleaved_rounds): plain and every (draft, k) are warmed up once, then
+Timing (specjax.timing.interleaved_rounds): plain and every (draft, k) are warmed up once, then
 timed in ``--rounds`` rounds with the runs in alternating order; speedup = plain / speculative
 wall time per round, reported as median [min, max], with the largest foreign CPU share seen.
 
@@ -31,8 +31,8 @@ import time
 import jax
 
 import specjax as sj
-from specjax import bench
-from specjax.bench import time_forward
+from specjax import timing
+from specjax.cost_model import time_forward
 from specjax.train.corpora import chat_prompts
 
 
@@ -76,10 +76,10 @@ def main(argv=None):
         for k in ks:
             runs[(i, k)] = (lambda d=draft, k=k: sj.generate(target, prompts, draft=d, method="draft",
                                                              num_draft_tokens=k, **kw))
-    res = bench.interleaved_rounds(runs, rounds=args.rounds)
+    res = timing.interleaved_rounds(runs, rounds=args.rounds)
     plain = res["plain"]
     n_tok = plain["result"].stats["generated_tokens"]
-    plain_tps = bench.spread([n_tok / w for w in plain["wall_s"]])
+    plain_tps = timing.spread([n_tok / w for w in plain["wall_s"]])
     t_dec = time_forward(target, 1, context)
     rows = []
     for i, (name, draft) in enumerate(drafts):
@@ -94,13 +94,13 @@ def main(argv=None):
             t_ver = time_forward(target, k + 1, context)
             step_cost = (t_ver + (k - 1) * d1 + d2) / t_dec
             pred_cpu = s["mean_accepted_length"] / step_cost
-            sp = bench.paired_speedup(plain["wall_s"], r["wall_s"])
+            sp = timing.paired_speedup(plain["wall_s"], r["wall_s"])
             rows.append(dict(draft=name, k=k, identical=out.tokens == plain["result"].tokens,
                              mean_accepted_length=s["mean_accepted_length"], alpha=a, c=c,
                              verify_over_decode=t_ver / t_dec,
-                             spec_tps=bench.spread([n_tok / w for w in r["wall_s"]]),
+                             spec_tps=timing.spread([n_tok / w for w in r["wall_s"]]),
                              plain_tps=plain_tps, speedup=sp, predicted_formula=pred_formula,
-                             predicted_cpu_model=pred_cpu, max_foreign_cpu=bench.max_foreign(plain, r),
+                             predicted_cpu_model=pred_cpu, max_foreign_cpu=timing.max_foreign(plain, r),
                              per_position_acceptance=s["per_position_acceptance"]))
             print(f"{name:24s} k={k} len={s['mean_accepted_length']:.2f} a={a:.3f} c={c:.3f} "
                   f"speedup={sp['median']:.2f} pred={pred_formula:.2f}/{pred_cpu:.2f}", file=sys.stderr)
@@ -118,7 +118,7 @@ def main(argv=None):
               f"{sp['median']:.2f}x [{sp['min']:.2f}, {sp['max']:.2f}] | "
               f"{r['predicted_formula']:.2f}x | {r['predicted_cpu_model']:.2f}x | "
               f"{'?' if fc is None else f'{100 * fc:.0f}%'} |")
-    meta = dict(command=" ".join(["python"] + sys.argv), machine=bench.machine_info(),
+    meta = dict(command=" ".join(["python"] + sys.argv), machine=timing.machine_info(),
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rounds=args.rounds,
                 platform=platform.platform(), jax=jax.__version__, batch=args.batch,
                 max_new_tokens=args.max_new_tokens, target_decode_ms=t_dec * 1e3, rows=rows)

@@ -6,7 +6,7 @@ nodes (method "eagle-tree"). Held-out chat prompts, temperature 0, all prompts i
 every output is checked token for token against plain greedy decoding. Reports the mean accepted
 length (tokens emitted per target verify, bonus included; load-independent) and tokens/s of each.
 
-How it times (specjax.bench.interleaved_rounds): every compared configuration (plain, each chain,
+How it times (specjax.timing.interleaved_rounds): every compared configuration (plain, each chain,
 each tree) is run once untimed (compilation excluded), then ``--rounds`` timed rounds each run
 every configuration once, in alternating order (forward, reversed, ...), so load drift hits all
 alike. Reported per configuration: the wall time of every round, median tokens/s with the spread
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 import specjax as sj  # noqa: E402
-from specjax import bench  # noqa: E402
+from specjax import timing  # noqa: E402
 from specjax.tree import TreeConfig  # noqa: E402
 
 # dynamic tree shape per node budget N: (depth, top_k)
@@ -79,11 +79,11 @@ def main(argv=None) -> list:
     ap.add_argument("--prompts", type=int, default=None, help="prompts in the batch (default 16; "
                                                                "tiny 4)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 64; tiny 16")
-    bench.add_timing_args(ap)
+    timing.add_timing_args(ap)
     ap.add_argument("--out", default=None, help="JSON report (default benchmarks/results/tree.json; "
                                                  "tiny: none)")
     args = ap.parse_args(argv)
-    bench.check_timing_args(ap, args)
+    timing.check_timing_args(ap, args)
     if args.tiny and args.head:
         ap.error("--tiny uses a random head; drop --head")
     widths = [int(x) for x in args.widths.split(",")]
@@ -109,7 +109,7 @@ def main(argv=None) -> list:
                         gen("eagle-tree", head, tree=tc)))
     if args.rounds < 3:
         print(f"note: {args.rounds} round(s): the spread needs >= 3", file=sys.stderr)
-    res = bench.interleaved_rounds({name: fn for name, _, _, fn in configs}, rounds=args.rounds,
+    res = timing.interleaved_rounds({name: fn for name, _, _, fn in configs}, rounds=args.rounds,
                                    wait_idle_s=args.wait_idle)
 
     plain = res["plain"]
@@ -119,22 +119,22 @@ def main(argv=None) -> list:
         r = res[name]
         out = r["result"]
         n_tok = out.stats["generated_tokens"]
-        tps = bench.spread([n_tok / t for t in r["wall_s"]])
+        tps = timing.spread([n_tok / t for t in r["wall_s"]])
         row = {"config": name, "verified": w,
                "mean_accepted_length": 1.0 if name == "plain" else out.stats["mean_accepted_length"],
                "wall_s": r["wall_s"], "tokens_per_s": tps,
-               "foreign_cpu": r["foreign_cpu"], "max_foreign_cpu": bench.max_foreign(r),
+               "foreign_cpu": r["foreign_cpu"], "max_foreign_cpu": timing.max_foreign(r),
                "identical": out.tokens == plain_tokens}
         if name != "plain":
             row["per_depth_acceptance"] = out.stats["per_position_acceptance"]
             row["speedup_vs_plain"] = tps["median"] / rows[0]["tokens_per_s"]["median"]
-            row["speedup_vs_plain_per_round"] = bench.paired_speedup(plain["wall_s"], r["wall_s"])
+            row["speedup_vs_plain_per_round"] = timing.paired_speedup(plain["wall_s"], r["wall_s"])
         if tc is not None:
             row["tree"] = {"depth": tc.depth, "top_k": tc.top_k, "num_nodes": tc.num_nodes}
             row["gain_over_chain"] = row["mean_accepted_length"] - rows[-1]["mean_accepted_length"]
         rows.append(row)
 
-    max_fc = bench.max_foreign(*res.values())
+    max_fc = timing.max_foreign(*res.values())
     print(f"\nhead {head_desc} ({chain_method}), {len(prompts)} prompts x {args.max_new_tokens} "
           f"tokens, greedy, batch {len(prompts)}; {args.rounds} interleaved rounds after a warm-up")
     print(f"{'config':38s} {'verified':>8s} {'acc. len':>8s} {'gain':>6s} "
@@ -155,7 +155,7 @@ def main(argv=None) -> list:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": " ".join(["python", "benchmarks/bench_tree.py"]
                                 + (sys.argv[1:] if argv is None else list(argv))),
-            "machine": bench.machine_info(),
+            "machine": timing.machine_info(),
             "jax": jax.__version__, "backend": jax.default_backend()}
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -17,7 +17,7 @@ recorded as skipped, one that fails is recorded with its traceback, and the JSON
               roofline (bytes of weights read per step / measured bandwidth).
 5. smollm2    the real SmolLM2-135M-Instruct (float32 both sides, matmul precision "highest"
               in JAX, TF32 off in torch so greedy outputs are comparable): the same comparison
-              as benchmarks/bench_compare.py (specjax/bench.py) with HF on the GPU.
+              as benchmarks/bench_compare.py (benchmarks/hf_compare.py) with HF on the GPU.
 6. kernels    ``benchmarks/gpu_kernels.py``'s ``main(out_dir, quick=True)`` if that file exists,
               in a subprocess with the time left (another engineer's kernel benchmarks).
 
@@ -299,7 +299,7 @@ def hf_from_params(model, torch_dtype=None):
 
 
 def hf_generate(hf, prompts, n_new, **kw):
-    from specjax.bench import hf_generate as generate
+    from benchmarks.hf_compare import hf_generate as generate
 
     return generate(hf, prompts, n_new, pad=0, **kw)
 
@@ -591,7 +591,7 @@ def sec_smollm2(sizes: Sizes, explicit: str | None, report: Report):
     import torch
 
     import specjax as sj
-    from specjax import bench
+    from benchmarks import hf_compare
     from specjax import shipped
 
     if sizes.smol_tiny:
@@ -633,7 +633,7 @@ def sec_smollm2(sizes: Sizes, explicit: str | None, report: Report):
             drafts["mtp"], ks["mtp"] = head, 1
     torch.backends.cuda.matmul.allow_tf32 = False
     with jax.default_matmul_precision("highest"):
-        rep = bench.run(target, prompts, num_prompts=sizes.smol_prompts,
+        rep = hf_compare.run(target, prompts, num_prompts=sizes.smol_prompts,
                         max_new_tokens=sizes.smol_new, batch=sizes.smol_batch,
                         repeats=sizes.repeats, drafts=drafts, ks=ks, hf=True,
                         prompt_lookup_k=sizes.ngram_k, progress=False,
@@ -648,7 +648,7 @@ def sec_smollm2(sizes: Sizes, explicit: str | None, report: Report):
         rep["roofline_tokens_per_s_per_row"] = bw / rep["target_weight_bytes"]
     report.tables["smollm2"] = (f"weights: {where}; float32; roofline "
                                 f"{rep.get('roofline_tokens_per_s_per_row', 0):.0f} tok/s per row\n\n"
-                                + rep["table_md"] + "\n\n" + bench.summary(rep))
+                                + rep["table_md"] + "\n\n" + hf_compare.summary(rep))
     return rep
 
 

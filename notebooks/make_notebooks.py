@@ -285,8 +285,8 @@ def nb03():
         new_code_cell(SETUP),
         new_code_cell(TINY_TARGET + '''
 
-from specjax import bench, shipped
-from specjax.bench import time_forward
+from specjax import shipped, timing
+from specjax.cost_model import time_forward
 from specjax.train.corpora import chat_prompts
 
 target = tiny_target() if SMALL else sj.load_model("smollm2-135m")
@@ -316,28 +316,28 @@ if entry is not None and entry.get("hybrid_min"):  # fastest.json's configuratio
     best = (entry["num_draft_tokens"], entry["hybrid_min"])
     runs["fastest"] = lambda: one_pass(draft=head, method=method, num_draft_tokens=best[0],
                                        hybrid_min=best[1])
-timed = bench.interleaved_rounds(runs, rounds=ROUNDS)
+timed = timing.interleaved_rounds(runs, rounds=ROUNDS)
 want = [o.tokens for o in timed["plain"]["result"]]
 rows = []
 for k in KS:
     outs = timed[k]["result"]
     steps = np.array([o.stats["row_steps"] for o in outs], float)
     per_pos = (np.array([o.stats["per_position_acceptance"] for o in outs]) * steps[:, None]).sum(0) / steps.sum()
-    sp = bench.paired_speedup(timed["plain"]["wall_s"], timed[k]["wall_s"])
+    sp = timing.paired_speedup(timed["plain"]["wall_s"], timed[k]["wall_s"])
     rows.append(dict(k=k, speedup=sp["median"], spread=(sp["min"], sp["max"]),
                      mal=1 + per_pos.sum(), per_pos=per_pos.tolist(),
                      identical=[o.tokens for o in outs] == want))
     print(f"k={k}: speedup {sp['median']:.2f}x [{sp['min']:.2f}..{sp['max']:.2f}], mean accepted length "
           f"{rows[-1]['mal']:.2f}, per position {np.round(per_pos, 2)}, identical to plain: {rows[-1]['identical']}")
 if "fastest" in timed:
-    outs, sp = timed["fastest"]["result"], bench.paired_speedup(timed["plain"]["wall_s"], timed["fastest"]["wall_s"])
+    outs, sp = timed["fastest"]["result"], timing.paired_speedup(timed["plain"]["wall_s"], timed["fastest"]["wall_s"])
     steps = sum(o.stats["row_steps"] for o in outs)
     mal = sum(o.stats["mean_accepted_length"] * o.stats["row_steps"] for o in outs) / steps
     print(f"fastest.json's k={best[0]} + n-gram hybrid (min {best[1]}): speedup {sp['median']:.2f}x "
           f"[{sp['min']:.2f}..{sp['max']:.2f}], mean accepted length {mal:.2f}, identical to plain: "
           f"{[o.tokens for o in outs] == want}")
 print(f"{len(prompts)} held-out prompts x {MAX_NEW} tokens, batch 1, {ROUNDS} interleaved rounds; "
-      f"largest CPU share of other processes: {bench.max_foreign(*timed.values())}")
+      f"largest CPU share of other processes: {timing.max_foreign(*timed.values())}")
 ctx = len(prompts[0]) + MAX_NEW // 2
 dec = time_forward(target, 1, ctx)
 verify = {k: time_forward(target, k + 1, ctx) / dec for k in KS}

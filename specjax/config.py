@@ -222,6 +222,20 @@ def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
                          f"{allowed}, got {value!r}")
 
 
+DEFAULT_NUM_DRAFT_TOKENS = 4  # SpecConfig.num_draft_tokens's default
+# The k taken when k is unset, per method where it differs from DEFAULT_NUM_DRAFT_TOKENS (fixed k
+# only: adaptive k searches 0..k, so it keeps the default): an MTP head's second draft is rarely
+# accepted, and n-gram matches are at most ngram_max (3) tokens long.
+METHOD_NUM_DRAFT_TOKENS = {"mtp": 1, "ngram": 3}
+
+
+def default_num_draft_tokens(method: str, adaptive: bool = False) -> int:
+    """The draft length k for ``method`` when none is given (``METHOD_NUM_DRAFT_TOKENS``)."""
+    if adaptive:
+        return DEFAULT_NUM_DRAFT_TOKENS
+    return METHOD_NUM_DRAFT_TOKENS.get(method, DEFAULT_NUM_DRAFT_TOKENS)
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     """How decoding speculates: the one static (jit) description shared by ``sj.generate``, the
@@ -238,7 +252,9 @@ class SpecConfig:
         in one pass, specjax.dflash), "custom" (the ``specjax.speculate.Drafter`` passed as
         ``draft=specjax.speculate.Custom(drafter, params)``).
       num_draft_tokens: k, the chain draft length, in [1, 64] (``k``). Ignored by "eagle-tree"
-        (the tree's depth bounds a step) and stored as 1 for "none".
+        (the tree's depth bounds a step) and stored as 1 for "none". Default 4
+        (``DEFAULT_NUM_DRAFT_TOKENS``); where k is left unset (``specjax.options.spec_from_options``:
+        the CLI, the server) it is ``default_num_draft_tokens(method, adaptive)`` instead.
       draft_sampling: sample drafts from the draft distribution q (True) or take its argmax
         (False, point-mass drafts). Not with "eagle-tree"; stored as False for "none".
       tree: a ``specjax.tree.TreeConfig``, present exactly when method == "eagle-tree" (default
@@ -262,7 +278,7 @@ class SpecConfig:
     """
 
     method: str = "none"
-    num_draft_tokens: int = 4  # k
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS  # k
     draft_sampling: bool = False
     tree: TreeConfig | None = None
     attn_impl: str = "reference"

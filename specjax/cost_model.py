@@ -10,19 +10,34 @@ steps are timed again with twice the rounds, and the costs kept non-decreasing i
 whole step, not its forwards, matters: on a 2-core CPU a k = 2 step costs ~0.11
 plain steps more than k = 1 in the loop, while the forwards alone differ by ~0.05. The input of
 ``specjax.adaptive.choose_k``. Results are cached per (model, draft, dtype, batch bucket,
-backend, method, K) in-process and in ``~/.cache/specjax/cost_model.json``. Host-side code
-(it times compiled programs): the decode loop itself only imports ``specjax.adaptive``.
+backend, method, K, native kernel on or off, ``CODE_VERSION``) in-process and in
+``~/.cache/specjax/cost_model.json``. Host-side code (it times compiled programs): the decode loop
+itself only imports ``specjax.adaptive``.
+
+``forward_fn`` / ``time_forward`` / ``cost_ratios`` time bare target forwards instead (verify(k+1)
+over decode(1), the ratio behind every speedup): the benchmarks' reports, not adaptive k.
 """
 
 from __future__ import annotations
+
 import dataclasses
 import hashlib
 import json
 import os
+import statistics
 import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from specjax import heads, kv_cache, native, registry, speculate
+from specjax.config import SpecConfig
+from specjax.model import Model
+
+# Bump when what a step does (and so what it costs) changes: cached costs of an older step are
+# then not reused.
+CODE_VERSION = 2
 
 _COSTS: dict = {}  # in-process cache: key -> list of K+3 relative costs
 
@@ -33,10 +48,13 @@ def _cache_file() -> str:
     return os.path.join(root, "cost_model.json")
 
 
-def cost_key(target_cfg, draft_cfg, dtype, batch: int, method: str, kmax: int) -> str:
-    """Cache key: the model and draft configs, dtype, batch bucket, backend, method and K."""
-    text = repr(("fused-step", target_cfg, draft_cfg, str(jnp.dtype(dtype)), batch,
-                 jax.default_backend(), jax.devices()[0].device_kind, method, kmax))
+def cost_key(target_cfg, draft_cfg, dtype, batch: int, method: str, kmax: int,
+             native_on: bool = False) -> str:
+    """Cache key: the model and draft configs, dtype, batch bucket, backend, method, K, whether
+    the native CPU kernel runs the forwards (``native_on``) and ``CODE_VERSION``."""
+    text = repr(("fused-step", CODE_VERSION, target_cfg, draft_cfg, str(jnp.dtype(dtype)), batch,
+                 jax.default_backend(), jax.devices()[0].device_kind, method, kmax,
+                 bool(native_on)))
     return hashlib.sha1(text.encode()).hexdigest()
 
 
@@ -78,9 +96,6 @@ def _step_times(target_params, target_cfg, draft_params, draft_cfg, *, method: s
     plain step): the jitted step the loop runs (draft, verify, accept, drafter catch-up,
     commit), on a state prefilled with ``context`` tokens, its buffers donated so the caches
     stay in place as in the loop; ``reps`` rounds, each timing every k once (interleaved)."""
-    from specjax import kv_cache, speculate  # noqa: PLC0415
-    from specjax.config import SpecConfig  # noqa: PLC0415
-
     lc = SpecConfig(method=method, num_draft_tokens=kmax, page_size=page_size, attn_impl=attn_impl)
     out_len = (reps + 3) * (kmax + 1) + 1  # every token the timed steps can emit
     per_seq = kv_cache.pages_needed(context + out_len + lc.extra_slots, page_size)
@@ -121,9 +136,9 @@ def measure_costs(target_params, target_cfg, draft_params, draft_cfg, *, method:
     costs, bookkeeping included) after ``context`` cached tokens, and the drafter's forwards
     over 1 and LAG_WINDOW tokens, at this batch size.
     """
-    from specjax import heads, kv_cache, speculate  # noqa: PLC0415
 
-    key = cost_key(target_cfg, draft_cfg, dtype, batch, method, kmax)
+    key = cost_key(target_cfg, draft_cfg, dtype, batch, method, kmax,
+                   native_on=uses_native(target_params) or uses_native(draft_params))
     if key in _COSTS:
         return _COSTS[key]
     stored = _load_file().get(key)
@@ -174,3 +189,55 @@ def measure_costs(target_params, target_cfg, draft_params, draft_cfg, *, method:
     _COSTS[key] = costs
     _store_file(key, costs)
     return costs
+
+
+def uses_native(params) -> bool:
+    """Whether ``params`` hold weights packed for the native CPU kernel (specjax.native)."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, native.PackedWeight))
+    return any(isinstance(x, native.PackedWeight) for x in leaves)
+
+
+# --------------------------------------------------------------- bare forwards (benchmarks)
+
+
+def forward_fn(model, t: int, context: int, params=None):
+    """A zero-argument callable running one jitted forward of ``model`` over ``t`` new tokens
+    after ``context`` cached tokens (batch 1) and blocking on it; compiled on the first call.
+    ``params`` default to what ``sj.generate`` runs (``specjax.native.inference_params``)."""
+    cfg = model.config
+    params = native.inference_params(model) if params is None else params
+    per_seq = kv_cache.pages_needed(context + t + 16, 16)
+    kv = registry.init_cache(cfg, per_seq, 16, model.dtype)  # the family's cache
+    pt = kv_cache.contiguous_page_table(1, per_seq)
+    toks = jnp.ones((1, t), jnp.int32)
+    pos = context + jnp.arange(t, dtype=jnp.int32)[None]
+    start = jnp.asarray([context], jnp.int32)
+    fn = jax.jit(lambda p, kv: registry.forward(p, cfg, toks, pos, kv, pt, start)[0])
+    return lambda: jax.block_until_ready(fn(params, kv))
+
+
+def time_forward(model, t: int, context: int, repeats: int = 10) -> float:
+    """Median seconds of one jitted target forward over ``t`` new tokens after ``context`` cached
+    tokens (batch 1, the params ``sj.generate`` runs): the verify (t = k+1) / decode (t = 1) cost
+    ratio behind every speedup."""
+    run = forward_fn(model, t, context)
+    run()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return float(statistics.median(times))
+
+
+def cost_ratios(target, ks, context: int, drafts: dict | None = None) -> dict:
+    """verify(k+1)/decode(1) for each k, and draft-step / target-step for draft LLMs
+    (``drafts``: {method: (draft, description)})."""
+    dec = time_forward(target, 1, context)
+    out = {"context": context, "target_decode_ms": 1e3 * dec,
+           "verify_over_decode": {str(k): time_forward(target, k + 1, context) / dec
+                                  for k in sorted(set(ks))}}
+    for method, (draft, _) in (drafts or {}).items():
+        if isinstance(draft, Model):
+            out[f"c_{method}"] = time_forward(draft, 1, context) / dec
+    return out

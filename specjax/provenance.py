@@ -5,7 +5,7 @@ busy it was. Every benchmark that writes a result JSON stores ``provenance(...)`
     json.dump({**results, "provenance": provenance()}, f)
 
 The machine probing (usable CPUs, busy CPU seconds from /proc/stat, the foreign CPU share over a
-window) lives here; specjax/bench.py's Timer uses the same helpers.
+window) lives here; specjax/timing.py (Timer) uses the same helpers.
 """
 
 from __future__ import annotations

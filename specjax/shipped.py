@@ -2,7 +2,7 @@
 
 The repository's ``checkpoints/`` folder (present in a source checkout, see checkpoints/README.md)
 holds drafts trained for SmolLM2-135M-Instruct. ``SHIPPED`` lists them best first; every caller
-that wants "the shipped draft" (the CLI, ``specjax.bench``, benchmarks/bench_engine.py,
+that wants "the shipped draft" (the CLI, ``specjax bench``, benchmarks/bench_engine.py,
 benchmarks/gpu_check.py) asks this module instead of naming a folder.
 
 ``checkpoints/fastest.json`` holds, per JAX backend ("cpu", "gpu", ...), the speculative

@@ -53,7 +53,7 @@ def test_gpu_check_cpu_smoke(gpu_check, tmp_path):
     assert spec and all(r["mean_accepted_length"] == pytest.approx(r["planted_accepted_length"],
                                                                    abs=0.05) for r in spec), spec
     assert {r["batch"] for r in spec} == {1, 2}  # batch 1 and the batched setting
-    # SmolLM2 stand-in through specjax.bench with the HF peer: greedy outputs identical per row
+    # SmolLM2 stand-in through benchmarks/hf_compare.py with the HF peer: greedy outputs identical per row
     for res in sec["smollm2"]["results"].values():
         for name, d in res.items():
             assert d["vs_hf"]["identical_rows"] == d["vs_hf"]["rows"], name
@@ -148,17 +148,17 @@ def test_kernels_section(gpu_check, tmp_path):
 def test_interleaved_rounds_alternate_and_pair_speedups():
     """The benchmarks' timing protocol: warm-up, then rounds in alternating order; speedups are
     per-round pairs (median, min, max)."""
-    from specjax import bench
+    from specjax import timing
 
     order = []
     runs = {name: (lambda name=name: order.append(name) or name) for name in ("plain", "spec")}
-    res = bench.interleaved_rounds(runs, rounds=3)
+    res = timing.interleaved_rounds(runs, rounds=3)
     assert order == ["plain", "spec", "plain", "spec", "spec", "plain", "plain", "spec"]
     assert all(len(r["wall_s"]) == len(r["foreign_cpu"]) == 3 for r in res.values())
-    sp = bench.paired_speedup([2.0, 4.0, 3.0], [1.0, 1.0, 2.0])
+    sp = timing.paired_speedup([2.0, 4.0, 3.0], [1.0, 1.0, 2.0])
     assert (sp["median"], sp["min"], sp["max"], sp["rounds"]) == (2.0, 1.5, 4.0, 3)
     with pytest.raises(ValueError, match="rounds"):
-        bench.interleaved_rounds(runs, rounds=0)
+        timing.interleaved_rounds(runs, rounds=0)
 
 
 def _check_timed(d: dict, rounds: int) -> None:
@@ -235,7 +235,7 @@ def test_timer_counts_other_processes_as_foreign_unless_they_are_ours():
     import sys
     import time
 
-    from specjax.bench import Timer, usable_cpus
+    from specjax.timing import Timer, usable_cpus
 
     burn = [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"]
     fractions = {}

@@ -255,3 +255,63 @@ def test_measured_fastest_config_sets_the_defaults(tiny_dirs, tmp_path, monkeypa
         shipped.write_fastest(dict(draft="nope"), "cpu")
     (ckpts / "smollm2-draft" / "specjax_config.json").unlink()  # the measured draft is gone
     assert shipped.fastest() is None
+
+
+def test_script_entry_point_resolves():
+    """pyproject's `specjax = "specjax.cli:main"` names the package's main."""
+    import importlib
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    entry = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]["specjax"]
+    module, name = entry.split(":")
+    assert getattr(importlib.import_module(module), name) is cli.main
+
+
+def _run_cli(*argv, timeout=1800):
+    """`python -m specjax.cli ARGV` in a subprocess from the repository root."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "specjax.cli", *argv], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=timeout)
+
+
+def _smollm2_or_skip():
+    import specjax as sj
+    try:
+        sj.load_model("smollm2-135m")
+    except Exception as e:  # noqa: BLE001 - the GGUF comes with the optional 'models' extra
+        pytest.skip(f"SmolLM2 not available: {e}")
+
+
+@pytest.mark.slow
+def test_generate_with_its_defaults():
+    """`specjax generate --prompt ...` with every default (shorter output only): SmolLM2, the
+    recommended draft, and the same tokens as plain decoding (greedy is lossless)."""
+    _smollm2_or_skip()
+    prompt = "Why is the sky blue?"
+    spec = _run_cli("generate", "--prompt", prompt, "--max-new-tokens", "8", "--json")
+    assert spec.returncode == 0, spec.stderr[-3000:]
+    out = json.loads(spec.stdout)
+    assert out["stats"]["method"] != "none" and "draft: checkpoints/" in spec.stderr
+    plain = _run_cli("generate", "--prompt", prompt, "--max-new-tokens", "8", "--json",
+                     "--method", "none")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert out["tokens"] == json.loads(plain.stdout)["tokens"] and len(out["tokens"][0]) == 8
+
+
+@pytest.mark.slow
+def test_demo_with_its_defaults():
+    """`specjax demo` with every default but one round and short answers: the report names the
+    recommended draft and finds both speculative answers identical to plain decoding."""
+    _smollm2_or_skip()
+    res = _run_cli("demo", "--max-new-tokens", "8", "--rounds", "1", "--no-progress")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("outputs identical to plain decoding: True") == 2
+    assert "draft checkpoints/" in res.stdout and "speedup" in res.stdout

@@ -518,3 +518,72 @@ def test_smollm2_with_shipped_head(tmp_path):
         del files
         proc.terminate()
         proc.wait(60)
+
+
+def test_serve_accepts_every_method_and_option():
+    """`specjax serve --method` takes every method sj.generate does, and make_engine_config
+    translates every speculation option the way spec_from_options does (lossless)."""
+    from specjax.cli import build_parser  # noqa: PLC0415
+    from specjax.config import METHODS  # noqa: PLC0415
+    from specjax.options import spec_from_options  # noqa: PLC0415
+    from specjax.serve.app import make_engine_config  # noqa: PLC0415
+
+    for method in METHODS:
+        assert build_parser().parse_args(["serve", "--method", method]).method == method
+    args = build_parser().parse_args(
+        ["serve", "--method", "eagle3", "-k", "3", "--ngram-min", "2", "--ngram-max", "4",
+         "--hybrid-min", "2", "--draft-sampling", "--adaptive", "confidence"])
+    opts = dict(method="eagle3", num_draft_tokens=3, ngram_min=2, ngram_max=4, hybrid_min=2,
+                draft_sampling=True, adaptive=True, adaptive_by="confidence")
+    from specjax.cli._common import spec_options  # noqa: PLC0415
+    assert {k: v for k, v in spec_options(args).items() if v is not None} == opts
+    assert make_engine_config(**opts).spec == spec_from_options(opts)
+    tree = make_engine_config(method="eagle-tree", tree_depth=2, tree_top_k=2, tree_nodes=3).spec
+    assert (tree.tree.depth, tree.tree.top_k, tree.tree.num_nodes) == (2, 2, 3)
+    with pytest.raises(ValueError, match="'bogus'"):
+        make_engine_config(method="draft", bogus=1)
+
+
+@pytest.mark.slow
+def test_serve_with_defaults_answers_the_openai_client(tmp_path):
+    """`specjax serve --model smollm2-135m` (only a port added): no draft named, so the
+    recommended draft of checkpoints/fastest.json; one chat request through the openai client
+    equals greedy sj.generate with the same SpecConfig's target (lossless)."""
+    try:
+        target = sj.load_model("smollm2-135m")
+        tok = sj.load_tokenizer("smollm2-135m")
+    except Exception as e:  # noqa: BLE001 - the GGUF comes with the optional 'models' extra
+        pytest.skip(f"SmolLM2 not available: {e}")
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "specjax.cli", "serve", "--model",
+                                 "smollm2-135m", "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 1500
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(log_path.read_text()[-4000:])
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1.0)
+        else:
+            raise RuntimeError("server did not start: " + log_path.read_text()[-4000:])
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        want = sj.generate(target, [tok.apply_chat_template(msgs)], max_new_tokens=16).tokens[0]
+        res = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=16,
+                                        temperature=0)
+        assert res.choices[0].message.content == tok.decode(want)
+        assert "draft checkpoints/" in log_path.read_text()  # the recommended draft was loaded
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()

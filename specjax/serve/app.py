@@ -38,8 +38,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from specjax.config import SpecConfig
 from specjax.engine import Engine, EngineConfig, RequestParams
+from specjax.options import spec_from_options
 from specjax.serve import protocol as P
 from specjax.serve.metrics import CompileCounter, make_registry
 
@@ -54,20 +54,21 @@ def compile_counter() -> CompileCounter:
     return _COMPILES
 
 
-def make_engine_config(*, method: str, num_draft_tokens: int, adaptive: bool = False,
-                       adaptive_by: str = "history", tree=None,
-                       max_slots: int = 8, max_model_len: int = 2048, num_pages: int | None = None,
-                       page_size: int = 16, batch_buckets: tuple | None = None,
-                       token_buckets: tuple = (16, 64), attn_impl: str = "reference",
-                       seed: int = 0) -> EngineConfig:
+def make_engine_config(*, max_slots: int = 8, max_model_len: int = 2048,
+                       num_pages: int | None = None, batch_buckets: tuple | None = None,
+                       token_buckets: tuple = (16, 64), seed: int = 0,
+                       recommended: dict | None = None, **spec_options) -> EngineConfig:
     """The one place the server builds an EngineConfig (its SpecConfig and capacity settings).
 
-    Raises ValueError (from SpecConfig) for an invalid speculation setting, e.g. ``adaptive``
-    without a speculative method.
+    ``spec_options`` are the speculation options of ``specjax.options.spec_from_options`` (every
+    SpecConfig field: method, num_draft_tokens, draft_sampling, attn_impl, page_size, ngram_*,
+    hybrid_min, adaptive, adaptive_by, tree or tree_*; None = unset), filled from
+    ``recommended`` (a checkpoints/fastest.json entry) where given.
+
+    Raises ValueError (from spec_from_options / SpecConfig) for an unknown option or an invalid
+    speculation setting, e.g. ``adaptive`` without a speculative method.
     """
-    spec = SpecConfig(method=method, num_draft_tokens=num_draft_tokens, tree=tree,
-                      attn_impl=attn_impl, page_size=page_size, adaptive=adaptive,
-                      adaptive_by=adaptive_by)
+    spec = spec_from_options(spec_options, recommended)
     return EngineConfig(spec=spec, max_slots=max_slots, max_model_len=max_model_len,
                         num_pages=num_pages, batch_buckets=batch_buckets,
                         token_buckets=tuple(token_buckets), seed=seed)

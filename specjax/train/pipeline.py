@@ -107,12 +107,12 @@ def _temperatures(data) -> list:
 def acceptance_eval(target, tok, draft, method: str, ks=(1, 3), num_prompts: int = 8,
                     max_new_tokens: int = 96, rounds: int = 3):
     """Mean accepted length and speedup by actually running speculative decoding (greedy) on
-    held-out chat prompts. Timing (specjax.bench.interleaved_rounds): a pass runs every prompt
+    held-out chat prompts. Timing (specjax.timing.interleaved_rounds): a pass runs every prompt
     once at batch 1; plain and each k are warmed up, then timed in ``rounds`` interleaved rounds.
     ``speedup`` is the median per-round plain / speculative ratio, ``speedup_spread`` its median,
     min and max, ``max_foreign_cpu`` the largest CPU share other processes used meanwhile."""
     import specjax as sj  # noqa: PLC0415
-    from specjax import bench  # noqa: PLC0415
+    from specjax import timing  # noqa: PLC0415
     from specjax.train.corpora import chat_prompts  # noqa: PLC0415
 
     prompts = [tok.apply_chat_template(m) for m in chat_prompts("held_out", limit=num_prompts)]
@@ -124,17 +124,17 @@ def acceptance_eval(target, tok, draft, method: str, ks=(1, 3), num_prompts: int
     runs = {"plain": one_pass}
     runs.update({k: (lambda k=k: one_pass(draft=draft, method=method, num_draft_tokens=k))
                  for k in ks})
-    timed = bench.interleaved_rounds(runs, rounds=rounds)
+    timed = timing.interleaved_rounds(runs, rounds=rounds)
     plain = timed["plain"]
     want = [o.tokens[0] for o in plain["result"]]
     res = {}
     for k in ks:
         outs = timed[k]["result"]
-        sp = bench.paired_speedup(plain["wall_s"], timed[k]["wall_s"])
+        sp = timing.paired_speedup(plain["wall_s"], timed[k]["wall_s"])
         res[f"k={k}"] = {"mean_accepted_length": float(np.mean([o.stats["mean_accepted_length"]
                                                                  for o in outs])),
                          "speedup": sp["median"], "speedup_spread": sp,
-                         "max_foreign_cpu": bench.max_foreign(plain, timed[k]),
+                         "max_foreign_cpu": timing.max_foreign(plain, timed[k]),
                          "identical_to_plain": [o.tokens[0] for o in outs] == want}
     return res
 

@@ -19,9 +19,10 @@ rounds. During every timed run the CPU share used by *other* processes is record
 CPU"); ``wait_idle`` waits for a quiet machine first. Greedy outputs are compared row by row with
 HF plain batch 1 (the reference) and with specjax plain batch 1.
 
-``specjax bench`` runs it with small defaults; ``benchmarks/bench_compare.py`` with the defaults
-used for benchmarks/RESULTS.md. The library never needs torch: HF cases are skipped with
-``hf=False``.
+``specjax bench`` runs it with small defaults (from a source checkout: it loads this file by
+path); ``benchmarks/bench_compare.py`` with the defaults used for benchmarks/RESULTS.md. Torch is
+needed only for the HF cases (skipped with ``hf=False`` / ``--no-hf``). The library never imports
+this module (it lives in benchmarks/, beside the scripts that use it).
 """
 
 from __future__ import annotations
@@ -33,131 +34,30 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from typing import Callable
 
+import jax
+import jaxlib
 import numpy as np
+from tqdm.auto import tqdm
+
+import specjax as sj
+from specjax import shipped
+from specjax.cost_model import cost_ratios
+from specjax.io.hf import save_hf_dir
+from specjax.timing import Timer, machine_info, usable_cpus, wait_idle
+from specjax.train.corpora import chat_prompts
+
 
 # ------------------------------------------------------------------------------ the machine
 
 
-# The machine probing lives in specjax/provenance.py (shared with every result's provenance).
-from specjax.provenance import busy_cpu_s as _busy_s
-from specjax.provenance import process_cpu_s as _process_cpu_s
-from specjax.provenance import usable_cpus  # noqa: F401 (re-exported)
-
-
-class Timer:
-    """Wall time of a block, and the share of the usable CPUs other processes used meanwhile.
-
-    ``own_pids``: processes that belong to the measurement (e.g. a server the benchmark started);
-    their CPU time counts as ours, not as foreign load."""
-
-    def __init__(self, own_pids=()):
-        self.own_pids = tuple(own_pids)
-
-    def _own_s(self) -> float:
-        return time.process_time() + sum(_process_cpu_s(p) for p in self.own_pids)
-
-    def __enter__(self):
-        self.b0, self.c0, self.t0 = _busy_s(), self._own_s(), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.wall = time.perf_counter() - self.t0
-        own = self._own_s() - self.c0
-        b1 = _busy_s()
-        self.foreign = None
-        if self.b0 is not None and b1 is not None and self.wall > 0:
-            self.foreign = min(1.0, max(0.0, (b1 - self.b0) - own) / (self.wall * len(usable_cpus())))
-        return False
-
-
-def wait_idle(timeout_s: float, threshold: float = 0.05, quiet_s: float = 3.0) -> float:
-    """Waits (up to timeout_s) until other processes use < threshold of the CPUs for quiet_s."""
-    start, quiet = time.perf_counter(), 0.0
-    while timeout_s > 0 and time.perf_counter() - start < timeout_s:
-        with Timer() as t:
-            time.sleep(1.0)
-        quiet = quiet + t.wall if (t.foreign is not None and t.foreign < threshold) else 0.0
-        if quiet >= quiet_s:
-            break
-    return time.perf_counter() - start
-
-
-def interleaved_rounds(runs: dict, rounds: int = 3, wait_idle_s: float = 0.0) -> dict:
-    """Times compared runs fairly: one untimed warm-up call each (compilation), then ``rounds``
-    rounds, each calling every run once, in alternating order (forward, reversed, ...), so load
-    drift hits all runs alike.
-
-    Args:
-      runs: {name: zero-argument callable}; its last return value is kept.
-      rounds: timed rounds (>= 3 for a median with a spread).
-    Returns:
-      {name: {"wall_s": [rounds], "foreign_cpu": [rounds] (share of the CPUs other processes
-      used during the call, None where unknown), "result": the last return value}}.
-    """
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
-    names = list(runs)
-    out = {n: {"wall_s": [], "foreign_cpu": [], "result": runs[n]()} for n in names}  # warm-up
-    for r in range(rounds):
-        for n in (names if r % 2 == 0 else names[::-1]):
-            wait_idle(wait_idle_s)
-            with Timer() as t:
-                out[n]["result"] = runs[n]()
-            out[n]["wall_s"].append(t.wall)
-            out[n]["foreign_cpu"].append(t.foreign)
-    return out
-
-
-def add_timing_args(parser) -> None:
-    """The ``--rounds`` / ``--wait-idle`` options every interleaved benchmark script takes."""
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="timed rounds after the warm-up (>= 3 for a meaningful spread)")
-    parser.add_argument("--wait-idle", type=float, default=0.0,
-                        help="wait up to this many seconds for a quiet machine before each timed run")
-
-
-def check_timing_args(parser, args) -> None:
-    """Rejects ``--rounds`` < 1 through ``parser.error`` (exit 2, the option named)."""
-    if args.rounds < 1:
-        parser.error(f"--rounds must be >= 1 (timed rounds after the warm-up), got {args.rounds}")
-
-
-def spread(values) -> dict:
-    """Median, min and max of per-round values (a speedup's spread is its per-round ratios')."""
-    v = sorted(float(x) for x in values)
-    return {"median": float(statistics.median(v)), "min": v[0], "max": v[-1], "rounds": len(v)}
-
-
-def paired_speedup(base_wall: list, wall: list) -> dict:
-    """Per-round speedups base / run (rounds are interleaved, so each pair saw similar load)."""
-    return spread([b / w for b, w in zip(base_wall, wall)])
-
-
-def max_foreign(*results) -> float | None:
-    """Largest foreign CPU share seen by any of the given interleaved_rounds results."""
-    fc = [f for r in results for f in r["foreign_cpu"] if f is not None]
-    return max(fc) if fc else None
-
-
-def machine_info() -> dict:
-    """CPU model / count, usable CPUs, platform, load average (specjax.provenance.machine)."""
-    from specjax.provenance import machine  # noqa: PLC0415
-
-    return machine(window_s=0)
-
-
 def versions(hf: bool) -> dict:
-    import jax  # noqa: PLC0415
-    import jaxlib  # noqa: PLC0415
-
     out = {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
            "numpy": np.__version__, "jax_backend": jax.default_backend(),
            "jax_device": str(jax.devices()[0].device_kind)}
     if hf:
-        import torch  # noqa: PLC0415
+        import torch  # noqa: PLC0415 - torch: only for the HF cases
         import transformers  # noqa: PLC0415
         out.update(torch=torch.__version__, transformers=transformers.__version__,
                    torch_threads=torch.get_num_threads())
@@ -184,7 +84,6 @@ class Case:
 def specjax_cases(target, n_new: int, drafts: dict, ks: dict, adaptive: bool = False) -> list[Case]:
     """specjax plain + one case per draft (+ its adaptive twin). drafts: {method: (draft,
     description)}; method "ngram" takes draft None."""
-    import specjax as sj  # noqa: PLC0415
 
     def runner(method, draft, k, adapt=False):
         def run(prompts):
@@ -210,7 +109,7 @@ def specjax_cases(target, n_new: int, drafts: dict, ks: dict, adaptive: bool = F
 
 
 def _hf_model(path: str, device: str = "cpu"):
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - torch: only for the HF cases
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
@@ -222,7 +121,7 @@ def hf_generate(hf, prompts: list, n_new: int, pad: int = 0, **kw) -> list[list[
     """Greedy HF ``generate`` of exactly ``n_new`` tokens per prompt (EOS off), the prompts
     left-padded with ``pad`` under an attention mask, on the model's device; ``kw`` go to
     ``generate`` (assistant_model, prompt_lookup_num_tokens, ...). Returns the new tokens."""
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - torch: only for the HF cases
 
     dev = next(hf.parameters()).device
     lmax = max(len(p) for p in prompts)
@@ -242,7 +141,6 @@ def hf_cases(target, n_new: int, draft=None, draft_desc: str = "-", k: int = 2,
              prompt_lookup_k: int = 0, work: str | None = None, device: str = "cpu") -> list[Case]:
     """HF plain (+ assisted with ``draft`` converted to HF, + prompt lookup) on ``target``'s
     exact weights: both are written as HF directories (float32 safetensors) under ``work``."""
-    from specjax.io.hf import save_hf_dir  # noqa: PLC0415
 
     work = work or tempfile.mkdtemp(prefix="specjax-bench-")
     tdir = os.path.join(work, "hf-target")
@@ -288,7 +186,6 @@ def measure(cases: list[Case], prompts: list, batch: int, repeats: int = 3, wait
             progress: bool = True, batch_prompts: list | None = None) -> dict:
     """Times every case at batch 1 (prompts one by one) and at ``batch`` (the first ``batch``
     prompts in one call). Returns {"batch1": {name: result}, "batchB": {...}}."""
-    from tqdm.auto import tqdm  # noqa: PLC0415
 
     n_rounds = repeats + 1
     settings = [("batch1", 1, [[p] for p in prompts])]
@@ -391,55 +288,6 @@ def table(results: dict, batch: int) -> str:
                         f"{_fmt_match(d.get('vs_specjax_plain'))} | "
                         f"{'?' if fc is None else f'{100 * fc:.0f}%'} |")
     return "\n".join(rows)
-
-
-def forward_fn(model, t: int, context: int, params=None):
-    """A zero-argument callable running one jitted forward of ``model`` over ``t`` new tokens
-    after ``context`` cached tokens (batch 1) and blocking on it; compiled on the first call.
-    ``params`` default to what ``sj.generate`` runs (``specjax.native.inference_params``)."""
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-
-    from specjax import kv_cache, native, registry  # noqa: PLC0415
-
-    cfg = model.config
-    params = native.inference_params(model) if params is None else params
-    per_seq = kv_cache.pages_needed(context + t + 16, 16)
-    kv = registry.init_cache(cfg, per_seq, 16, model.dtype)  # the family's cache
-    pt = kv_cache.contiguous_page_table(1, per_seq)
-    toks = jnp.ones((1, t), jnp.int32)
-    pos = context + jnp.arange(t, dtype=jnp.int32)[None]
-    start = jnp.asarray([context], jnp.int32)
-    fn = jax.jit(lambda p, kv: registry.forward(p, cfg, toks, pos, kv, pt, start)[0])
-    return lambda: jax.block_until_ready(fn(params, kv))
-
-
-def time_forward(model, t: int, context: int, repeats: int = 10) -> float:
-    """Median seconds of one jitted target forward over ``t`` new tokens after ``context`` cached
-    tokens (batch 1, the params ``sj.generate`` runs): the verify (t = k+1) / decode (t = 1) cost
-    ratio behind every speedup."""
-    run = forward_fn(model, t, context)
-    run()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return float(statistics.median(times))
-
-
-def cost_ratios(target, ks, context: int, drafts: dict | None = None) -> dict:
-    """verify(k+1)/decode(1) for each k, and draft-step / target-step for draft LLMs."""
-    from specjax.model import Model  # noqa: PLC0415
-
-    dec = time_forward(target, 1, context)
-    out = {"context": context, "target_decode_ms": 1e3 * dec,
-           "verify_over_decode": {str(k): time_forward(target, k + 1, context) / dec
-                                  for k in sorted(set(ks))}}
-    for method, (draft, _) in (drafts or {}).items():
-        if isinstance(draft, Model):
-            out[f"c_{method}"] = time_forward(draft, 1, context) / dec
-    return out
 
 
 # --------------------------------------------------------------------------------- the run
@@ -562,8 +410,6 @@ def add_arguments(p, *, max_new_tokens=32, num_prompts=4, batch=4, repeats=2, ou
 
 def _resolve_head(target, arg: str, kind: str):
     """--mtp / --eagle: "none", "auto" (the best shipped head of ``kind``, if any) or a path."""
-    import specjax as sj  # noqa: PLC0415
-    from specjax import shipped  # noqa: PLC0415
 
     if arg == "none":
         return None
@@ -574,11 +420,9 @@ def _resolve_head(target, arg: str, kind: str):
 
 def run_from_args(args) -> dict:
     """Loads the target, drafts and prompts named by ``args`` and runs the comparison."""
-    import specjax as sj  # noqa: PLC0415
-    from specjax import shipped  # noqa: PLC0415
 
     if args.hf:
-        import torch  # noqa: PLC0415
+        import torch  # noqa: PLC0415 - torch: only for the HF cases
         torch.set_num_threads(args.torch_threads or len(usable_cpus()))
     target = sj.load_model(args.model)
     tok = sj.load_tokenizer(args.tokenizer or args.model)
@@ -599,8 +443,6 @@ def run_from_args(args) -> dict:
             drafts[method], ks[method] = head, k
     if args.prompt_lookup:
         drafts["ngram"], ks["ngram"] = (None, "prompt n-grams"), args.prompt_lookup
-    from specjax.train.corpora import chat_prompts  # noqa: PLC0415
-
     n = max(args.num_prompts, args.batch)
     prompts = [tok.apply_chat_template(m) for m in chat_prompts("held_out", limit=n)]
     report = run(target, prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,

@@ -1,0 +1,65 @@
+"""``specjax serve``: the OpenAI-compatible HTTP server (specjax.serve) over the engine."""
+
+from __future__ import annotations
+
+import time
+
+from specjax.cli import _common as C
+from specjax.engine import Engine
+
+
+def add_parser(sub) -> None:
+    sv = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)",
+        description="Serves the model over the continuous-batching engine: POST /v1/completions "
+                    "and /v1/chat/completions (stream or not), GET /v1/models, /health, /metrics "
+                    "(Prometheus, vLLM names), /stats. Speculation as for generate (every "
+                    "method and option). Needs the 'serve' extra.")
+    C.add_model_flags(sv)
+    C.add_spec_flags(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", default=None, help="model id (default: --model)")
+    sv.add_argument("--max-slots", type=int, default=8, help="requests decoded at once")
+    sv.add_argument("--max-queue", type=int, default=64,
+                    help="requests waiting beyond the slots before HTTP 503")
+    sv.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens")
+    sv.add_argument("--num-pages", type=int, default=None, help="KV pages (default: max-slots "
+                                                                "full-length sequences)")
+    sv.add_argument("--batch-buckets", default=None, metavar="B1,B2,..",
+                    help="static batch sizes (default: powers of two up to --max-slots)")
+    sv.add_argument("--token-buckets", default="16,64", metavar="T1,T2,..",
+                    help="prefill chunk widths (default: %(default)s)")
+    sv.add_argument("--seed", type=int, default=0, help="seeds requests sent without a seed")
+    sv.add_argument("--no-warmup", dest="warmup", action="store_false",
+                    help="do not compile every step variant before serving")
+    sv.add_argument("--log-level", default="info", help="uvicorn log level")
+    sv.set_defaults(run=run)
+
+
+def _ints(text: str | None):
+    return None if text is None else tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def run(args) -> int:
+    from specjax.serve import app as serve_app  # noqa: PLC0415 - fastapi/uvicorn: the serve extra
+
+    loaded = C.load(args)  # flags are checked before anything is loaded
+    spec = loaded.spec
+    config = serve_app.make_engine_config(
+        **loaded.options, recommended=loaded.rec, max_slots=args.max_slots,
+        max_model_len=args.max_model_len, num_pages=args.num_pages,
+        batch_buckets=_ints(args.batch_buckets), token_buckets=_ints(args.token_buckets),
+        seed=args.seed)
+    engine = Engine(loaded.target, loaded.draft, config)
+    serve_app.compile_counter()  # count from here: /health reports warm-up compiles too
+    if args.warmup:
+        t0 = time.perf_counter()
+        n = engine.warmup()
+        C.log(f"compiled {n} step variants in {time.perf_counter() - t0:.1f}s")
+    name = args.served_model_name or args.model
+    C.log(f"serving {name!r} (method {spec.method}, {C.describe(spec)}, draft "
+          f"{loaded.draft_name}) on http://{args.host}:{args.port}/v1")
+    serve_app.serve(engine, loaded.tok, model_name=name, host=args.host, port=args.port,
+                    max_queue=args.max_queue, log_level=args.log_level)
+    return 0
