@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import dflash, heads, kv_cache, native, registry, request, speculate
+from specjax import dflash, heads, kv_cache, native, options, registry, request, speculate
 from specjax.dflash import DFlashHead
 from specjax.io import dflash_io
 from specjax.heads import Head, cast_floats
@@ -377,13 +377,13 @@ def _per_row(value, n: int, name: str):
     return [value] * n
 
 
-def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, method: str = "none",
-             num_draft_tokens: int = 4, temperature=0.0, top_k=0, top_p=1.0, seed: int = 0,
-             eos_token_id=None, *, tokenizer=None, draft_sampling: bool = False,
-             page_size: int = 16, attn_impl: str = "reference", tree=None,
-             spec: SpecConfig | None = None, mesh=None, ngram_min: int = 1, ngram_max: int = 3,
-             hybrid_min: int = 0, adaptive: bool = False,
-             adaptive_by: str = "history") -> GenerateOutput:
+def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, method: str | None = None,
+             num_draft_tokens: int | None = None, temperature=0.0, top_k=0, top_p=1.0,
+             seed: int = 0, eos_token_id=None, *, tokenizer=None, draft_sampling: bool | None = None,
+             page_size: int | None = None, attn_impl: str | None = None, tree=None,
+             spec: SpecConfig | None = None, mesh=None, ngram_min: int | None = None,
+             ngram_max: int | None = None, hybrid_min: int | None = None,
+             adaptive: bool | None = None, adaptive_by: str | None = None) -> GenerateOutput:
     """Generates continuations for a batch of prompts, speculatively or plainly.
 
     The whole generation (prefill + every step) is one jitted call with a ``lax.while_loop`` on
@@ -401,7 +401,8 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         (prompt lookup: no draft model; the tokens that followed the longest earlier match of
         the row's suffix, see specjax.ngram), "custom" (``draft`` is a
         ``specjax.speculate.Custom(drafter, params)``: any ``specjax.speculate.Drafter``).
-      num_draft_tokens: k, the draft length (1..64).
+      num_draft_tokens: k, the draft length (1..64; unset: config.default_num_draft_tokens, 4
+        except mtp 1 and ngram 3).
       temperature, top_k, top_p: sampling settings, scalars or one per prompt. temperature 0 is
         greedy; top_k 0 and top_p 1.0 disable those filters.
       seed: int in [-2**31, 2**31); row i samples from its own stream derived from (seed, i).
@@ -424,8 +425,9 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         specjax.adaptive. Only with adaptive=True and a model drafter.
       spec: a whole ``specjax.SpecConfig`` instead of method / num_draft_tokens / draft_sampling /
         tree / attn_impl / page_size / ngram_min / ngram_max / hybrid_min / adaptive /
-        adaptive_by
-        (which must then keep their defaults).
+        adaptive_by (which must then be left unset). Those flat keywords are a convenience: left
+        unset (None) they take SpecConfig's defaults, and they go through the same translation
+        as the command line (``specjax.options.spec_from_options``).
     Returns:
       GenerateOutput with .tokens (list[list[int]]) and .stats (acceptance_rate,
       mean_accepted_length, per_position_acceptance, accepted_tokens, steps, row_steps,
@@ -512,18 +514,13 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
     return GenerateOutput(tokens=toks, stats=stats, texts=texts)
 
 
-_SPEC_DEFAULTS = dict(method="none", num_draft_tokens=4, draft_sampling=False, tree=None,
-                      attn_impl="reference", page_size=16, ngram_min=1, ngram_max=3, hybrid_min=0,
-                      adaptive=False, adaptive_by="history")
-
-
 def _spec_config(spec, **fields) -> SpecConfig:
-    """generate's speculation arguments as one validated SpecConfig."""
+    """generate's speculation arguments as one validated SpecConfig (options.spec_from_options)."""
     if spec is None:
-        return SpecConfig(**fields)
+        return options.spec_from_options(fields)
     if not isinstance(spec, SpecConfig):
         raise TypeError(f"spec must be a specjax.SpecConfig, got {type(spec).__name__}")
-    changed = [k for k, v in fields.items() if v != _SPEC_DEFAULTS[k]]
+    changed = [k for k, v in fields.items() if v is not None]
     if changed:
         raise ValueError(f"pass either spec=... or {', '.join(changed)}, not both")
     return spec

@@ -65,7 +65,10 @@ SPEC_FLAGS = (
 )
 
 
-def add_spec_flags(p, methods=METHODS) -> None:
+CLI_METHODS = tuple(m for m in METHODS if m != "custom")  # "custom" takes a Python Drafter
+
+
+def add_spec_flags(p, methods=CLI_METHODS) -> None:
     """--method, --draft and the SPEC_FLAGS table (all unset by default)."""
     p.add_argument("--draft", default=None,
                    help="draft path: a draft LLM or MTP/EAGLE head checkpoint, or any model path "
@@ -146,7 +149,8 @@ def load(args) -> Loaded:
     elif method != "none":
         if args.draft:
             draft, draft_name = sj.load_draft(args.draft, target=target), args.draft
-            method = method or ("draft" if isinstance(draft, sj.Model) else draft.config.kind)
+            method = method or ("draft" if isinstance(draft, sj.Model)
+                                else getattr(draft.config, "kind", "dflash"))
         elif (rec := shipped.recommended(target, method)) is not None:
             draft = sj.load_draft(shipped.path(rec["draft"]), target=target)
             draft_name, method = f"checkpoints/{rec['draft']}", rec["method"]

@@ -29,7 +29,8 @@ def add_parser(sub) -> None:
                     "position, tokens/s and the speedup as median [min..max] with the other "
                     "processes' CPU use.")
     C.add_model_flags(demo)
-    C.add_spec_flags(demo, methods=[m for m in METHODS if m != "none"])
+    # (a DFlash drafter has no adaptive run yet: demo it with `specjax generate --draft DIR`)
+    C.add_spec_flags(demo, methods=[m for m in METHODS if m not in ("none", "custom", "dflash")])
     C.add_sampling_flags(demo)
     demo.add_argument("--rounds", type=int, default=5,
                       help="timed rounds, interleaved plain / speculative / adaptive (default 5)")
