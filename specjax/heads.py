@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import kv_cache, registry
 from specjax.config import ModelConfig
@@ -181,8 +182,6 @@ def cast_floats(params, dtype=None):
 
 def set_draft_vocab(head: "Head", vocab) -> "Head":
     """A copy of ``head`` scoring only the token ids ``vocab`` (1-D, unique, in [0, V))."""
-    import numpy as np  # noqa: PLC0415
-
     if head.config.kind == "eagle3":
         raise ValueError("set_draft_vocab: an EAGLE-3 head's own lm_head is trained over its draft "
                          "vocabulary (d2t); it cannot be changed afterwards")

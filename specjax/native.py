@@ -47,7 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import registry
+from specjax import heads, registry
+from specjax.io import gguf
 
 log = logging.getLogger("specjax.native")
 
@@ -299,7 +300,6 @@ def _gguf_blocks(model):
     path = model.__dict__.get("_gguf_path")
     if path is None or model.params["embed"].dtype != jnp.float32:
         return None
-    from specjax.io import gguf  # noqa: PLC0415
 
     return gguf.load_gguf_blocks(path, model.config, tuple(QTARGETS))
 
@@ -393,8 +393,6 @@ def _packable(a) -> bool:
 
 
 def _pack_head(params: dict, cfg, target) -> dict:
-    from specjax import heads  # noqa: PLC0415  (heads -> registry -> model; native sits above)
-
     if _unsupported(cfg.layer):
         return params
     out = dict(params, layer=_pack_layer(params["layer"]))

@@ -16,6 +16,9 @@ import platform
 import subprocess
 import sys
 import time
+from importlib import import_module
+
+import jax
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,7 +92,6 @@ def machine(window_s: float = 0.5) -> dict:
     out = {"cpu_model": cpu, "cpu_count": os.cpu_count(), "usable_cpus": usable_cpus(),
            "platform": platform.platform(), "loadavg": load}
     if "jax" in sys.modules:  # the devices only where jax is in use already (no backend start-up)
-        import jax  # noqa: PLC0415
         out["jax_backend"] = jax.default_backend()
         out["devices"] = [f"{d.platform}:{d.device_kind}" for d in jax.devices()]
     if window_s:
@@ -101,8 +103,6 @@ def machine(window_s: float = 0.5) -> dict:
 def versions() -> dict:
     """python, jax, jaxlib, numpy (when importable) and torch / transformers / gguf when this
     process has imported them."""
-    from importlib import import_module  # noqa: PLC0415
-
     out = {"python": platform.python_version()}
     for name in _ALWAYS + tuple(n for n in _IF_IMPORTED if n in sys.modules):
         try:

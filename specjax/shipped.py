@@ -16,6 +16,12 @@ from __future__ import annotations
 import json
 import os
 
+import jax
+
+import specjax as sj
+from specjax.io.checkpoint import is_checkpoint
+from specjax.io.heads_io import is_eagle3_dir
+
 SHIPPED_FOR = "smollm2-135m"  # the target (``Model.source``) the shipped drafts were trained for
 KINDS = ("mtp", "eagle", "eagle3", "draft")
 # (folder name, draft kind), best first: within a kind the first present one is used. Without a
@@ -49,9 +55,6 @@ def path(name: str) -> str:
 
 def available(kind: str | None = None) -> list[tuple[str, str]]:
     """(name, kind) of the shipped checkpoints present here, best first; only ``kind`` if given."""
-    from specjax.io.checkpoint import is_checkpoint  # noqa: PLC0415 - orbax only when asked
-    from specjax.io.heads_io import is_eagle3_dir  # noqa: PLC0415
-
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS} or None, got {kind!r}")
     return [(n, k) for n, k in SHIPPED if kind in (None, k)
@@ -78,8 +81,6 @@ def fastest(backend: str | None = None) -> dict | None:
     "mean_accepted_length", "command", "date", "machine", ...}; None when nothing was measured
     there, the file is unreadable, or its draft is not present here."""
     if backend is None:
-        import jax  # noqa: PLC0415
-
         backend = jax.default_backend()
     try:
         with open(fastest_path()) as f:
@@ -127,8 +128,6 @@ def applies_to(target) -> bool:
 def load_best(target, kind: str):
     """(draft, "checkpoints/<name>") of the best shipped ``kind`` for ``target``, or None when the
     drafts do not apply to this target or none of that kind is present."""
-    import specjax as sj  # noqa: PLC0415
-
     name = best(kind) if applies_to(target) else None
     if name is None:
         return None
@@ -144,8 +143,6 @@ def default_draft(target, method: str | None = None, layers: int = 8):
     Raises:
       ValueError: ``method`` needs a trained draft and none is shipped for this target.
     """
-    import specjax as sj  # noqa: PLC0415
-
     if applies_to(target):
         for name, kind in available():
             tree_ok = method == "eagle-tree" and kind in ("mtp", "eagle", "eagle3")

