@@ -12,12 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import dflash, heads, kv_cache, native, options, registry, request, speculate
+from specjax import (cost_model, dflash, heads, kv_cache, native, options, registry, request,
+                     sharding, speculate)
 from specjax.dflash import DFlashHead
-from specjax.io import dflash_io
+from specjax.io import checkpoint, dflash_io, families, gguf, heads_io
 from specjax.heads import Head, cast_floats
 from specjax.config import ModelConfig, SpecConfig
 from specjax.model import Model, check_params
+from specjax.sharding import families as sharding_families
+from specjax.tokenizer import load_tokenizer as _load_tokenizer
 
 BUILTIN_MODELS = ("smollm2-135m", "gemma3-270m")
 
@@ -49,8 +52,6 @@ def load_model(path: str, dtype=jnp.float32, mesh=None, weights: str = "quantize
     Raises:
       ValueError: an unsupported ``model_type`` (the message names the supported ones).
     """
-    from specjax.io import checkpoint, families  # noqa: PLC0415 - orbax only when loading
-
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
     if not isinstance(path, str):
@@ -58,10 +59,8 @@ def load_model(path: str, dtype=jnp.float32, mesh=None, weights: str = "quantize
     if weights not in ("quantized", "float32"):
         raise ValueError(f"load_model: weights must be 'quantized' or 'float32', got {weights!r}")
     if path in BUILTIN_MODELS:
-        from specjax.io import gguf  # noqa: PLC0415
         cfg, params = gguf.load_gguf(gguf.builtin_gguf_path(path))
     elif isinstance(path, str) and path.endswith(".gguf") and os.path.isfile(path):
-        from specjax.io import gguf  # noqa: PLC0415
         cfg, params = gguf.load_gguf(path)
     elif isinstance(path, str) and checkpoint.is_checkpoint(path):
         cfg, params = checkpoint.load_model_checkpoint(path)
@@ -77,16 +76,13 @@ def load_model(path: str, dtype=jnp.float32, mesh=None, weights: str = "quantize
     registry.check_params(params, cfg)
     model = _as_model(cfg, params, dtype, path)
     if weights == "quantized" and mesh is None and (path in BUILTIN_MODELS or path.endswith(".gguf")):
-        # a GGUF branch above imported gguf
         native.attach_gguf(model, path if path.endswith(".gguf") else gguf.builtin_gguf_path(path))
     return model if mesh is None else _shard(model, mesh)
 
 
 def _shard(model: Model, mesh) -> Model:
     """``model`` placed on ``mesh`` by its family's rules (``specjax.sharding.families``)."""
-    from specjax.sharding import families  # noqa: PLC0415
-
-    return families.shard(model, mesh)
+    return sharding_families.shard(model, mesh)
 
 
 def load_draft(path, target: Model, dtype=None):
@@ -105,14 +101,11 @@ def load_draft(path, target: Model, dtype=None):
     Returns:
       a Model (method="draft") or a Head (method="mtp" / "eagle" / "eagle3").
     """
-    from specjax.io import checkpoint  # noqa: PLC0415
-
     if not isinstance(target, Model):
         raise TypeError(f"load_draft: target must be a specjax Model, got {type(target).__name__}")
     dtype = dtype or target.dtype
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
-    from specjax.io import families, heads_io  # noqa: PLC0415
 
     if isinstance(path, (Model, Head)):
         draft = dataclasses.replace(path, params=cast_floats(path.params, dtype))
@@ -123,8 +116,7 @@ def load_draft(path, target: Model, dtype=None):
     elif isinstance(path, str) and checkpoint.is_checkpoint(path):
         kind = checkpoint.checkpoint_kind(path)
         if kind == "head":
-            from specjax.io.heads_io import load_head  # noqa: PLC0415
-            head = load_head(path)
+            head = heads_io.load_head(path)
             draft = Head(params=cast_floats(head.params, dtype), config=head.config)
         elif kind == "draft_llm":
             _, cfg, params, extra = checkpoint.load_checkpoint(path)
@@ -223,8 +215,7 @@ def check_draft(draft, target: Model, method: str = "draft") -> None:
 
 def load_tokenizer(name_or_path: str):
     """HF-compatible tokenizer (encode / decode / apply_chat_template) for a model name or path."""
-    from specjax.tokenizer import load_tokenizer as _load  # noqa: PLC0415 - imports transformers
-    return _load(name_or_path)
+    return _load_tokenizer(name_or_path)
 
 
 # ---------------------------------------------------------------------------------- inference
@@ -460,7 +451,6 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
     if spec.adaptive:  # the cost model of this device, batch bucket and model (cached)
         if mesh is not None:
             raise ValueError("adaptive=True is not supported with mesh=... yet")
-        from specjax import cost_model  # noqa: PLC0415 - only adaptive runs probe costs
         cost = cost_model.measure_costs(
             target_params, target.config, draft_params,
             None if draft is None else draft.config, method=method, kmax=k_eff,
@@ -586,7 +576,6 @@ def _pack(cfg: ModelConfig, spec: SpecConfig, req: _Request, mesh, slots_ahead: 
     bp = _batch_bucket(b)
     run = speculate.generate_device
     if mesh is not None:  # batch rows split over the mesh's dp axis
-        from specjax import sharding  # noqa: PLC0415
         plan = sharding.as_plan(mesh)
         bp = -(-bp // plan.dp) * plan.dp
         run = functools.partial(sharding.generate_device, plan)

@@ -34,6 +34,8 @@ import numpy as np
 from specjax import deepseek
 from specjax.deepseek import DeepseekConfig
 from specjax.heads import Head, HeadConfig
+from specjax.io.hf import SafetensorsDir, read_config
+from specjax.model import Model
 
 __all__ = ["params_from_hf", "mtp_head_from_hf", "model_from_hf", "load_hf_dir", "load_mtp_dir"]
 
@@ -72,8 +74,6 @@ def _np(x):
 def load_hf_dir(path: str, dtype=jnp.float32):
     """(DeepseekConfig, params) from a transformers DeepSeek-V2/V3 directory (config.json +
     *.safetensors, sharded too), read tensor by tensor (``io.hf.SafetensorsDir``)."""
-    from specjax.io.hf import SafetensorsDir, read_config  # noqa: PLC0415
-
     cfg = DeepseekConfig.from_hf_config(read_config(path))
     return cfg, params_from_hf(SafetensorsDir(path), cfg, dtype)
 
@@ -81,8 +81,6 @@ def load_hf_dir(path: str, dtype=jnp.float32):
 def load_mtp_dir(path: str, target, index: int = 0, dtype=None) -> Head:
     """DeepSeek-V3's ``index``-th MTP module from the target's own HF directory, as an MTP Head
     for ``target`` (a specjax Model of that directory)."""
-    from specjax.io.hf import SafetensorsDir, read_config  # noqa: PLC0415
-
     cfg = DeepseekConfig.from_hf_config(read_config(path))
     if cfg.num_mtp_layers <= index:
         raise ValueError(f"{path!r} has {cfg.num_mtp_layers} MTP layers (num_nextn_predict_layers); "
@@ -183,8 +181,6 @@ def mtp_head_from_hf(sd: Mapping, cfg: DeepseekConfig, target_params: dict | Non
 
 def model_from_hf(hf_model, dtype=jnp.float32, **overrides):
     """A specjax Model from an in-memory transformers DeepseekV3/V2ForCausalLM (tests, notebooks)."""
-    from specjax.model import Model  # noqa: PLC0415
-
     cfg = DeepseekConfig.from_hf_config(hf_model.config, **overrides)
     return Model(params=params_from_hf(hf_model.state_dict(), cfg, dtype), config=cfg,
                  source=type(hf_model).__name__)

@@ -25,6 +25,7 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
+from safetensors.numpy import save_file
 
 from specjax.dflash import DFlashConfig, DFlashHead, expected_shapes
 from specjax.io.heads_io import _read_safetensors_file
@@ -200,8 +201,6 @@ def load_dflash(path, target_cfg, dtype=jnp.float32) -> DFlashHead:
 def save_dflash(head: DFlashHead, path: str, num_target_layers: int, dtype: str = "float32") -> None:
     """Writes ``head`` in the published layout (config.json + model.safetensors); ``dtype``
     "float32" or "float16"."""
-    from safetensors.numpy import save_file
-
     if dtype not in ("float32", "float16"):
         raise ValueError(f"save_dflash: dtype must be 'float32' or 'float16', got {dtype!r}")
     cfg = head.config

