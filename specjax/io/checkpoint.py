@@ -20,7 +20,7 @@ def is_checkpoint(path: str) -> bool:
 
 def save_checkpoint(path: str, params, config, kind: str = "model", extra=None) -> None:
     """Saves params with orbax and the config as JSON. kind: "model" or a draft-head kind."""
-    import orbax.checkpoint as ocp  # noqa: PLC0415
+    import orbax.checkpoint as ocp  # noqa: PLC0415 - orbax (~1 s) only when saving or loading
 
     path = os.path.abspath(path)
     os.makedirs(path, exist_ok=True)
@@ -40,7 +40,7 @@ def checkpoint_kind(path: str) -> str:
 
 def load_checkpoint(path: str):
     """Returns (kind, config dict, params as numpy, extra)."""
-    import orbax.checkpoint as ocp  # noqa: PLC0415
+    import orbax.checkpoint as ocp  # noqa: PLC0415 - orbax (~1 s) only when saving or loading
 
     path = os.path.abspath(path)
     if not is_checkpoint(path):

@@ -477,7 +477,7 @@ def _delta(role, content) -> dict:
 def serve(engine: Engine, tokenizer, *, model_name: str, host: str = "127.0.0.1",
           port: int = 8000, max_queue: int = 64, log_level: str = "info") -> None:
     """Runs the server until interrupted (uvicorn, one worker; the engine thread does the work)."""
-    import uvicorn  # noqa: PLC0415
+    import uvicorn  # noqa: PLC0415 - uvicorn only when serving
 
     app = create_app(engine, tokenizer, model_name=model_name, max_queue=max_queue)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -24,6 +24,7 @@ import glob
 import gzip
 import json
 import os
+import shutil
 import logging
 import time
 
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import specjax as sj
 from specjax import kv_cache, speculate
 from specjax.model import Model
 from specjax.train.corpora import chat_prompts, wiki_entries
@@ -47,8 +49,6 @@ def build_corpus(target: Model, tok, out_dir: str, *, num_prompts: int = 1024,
 
     Self-distilled shards alternate greedy and temperature-0.7 answers. Resumable.
     """
-    import specjax as sj  # noqa: PLC0415
-
     os.makedirs(out_dir, exist_ok=True)
     prompts = chat_prompts(split, limit=num_prompts)
     shards = []
@@ -216,7 +216,6 @@ def collect_features(target: Model, corpus_files: list[str], out_dir: str, *,
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump({k: [r.get(k) for r in rows] for k in ("domain", "source", "temperature")}, f)
         if os.path.exists(dst):
-            import shutil  # noqa: PLC0415
             shutil.rmtree(dst)
         os.replace(tmp, dst)
         _progress(f"{dst}: {len(rows)} sequences, {int(offsets[-1])} tokens in "

@@ -29,7 +29,11 @@ import sys
 import jax
 import jax.numpy as jnp
 
+import specjax as sj
 from specjax import dflash
+from specjax.heads import default_aux_layers
+from specjax.io import dflash_io
+from specjax.train import pipeline, trainer
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +43,6 @@ def drafter_config(target_cfg, *, layers: int = 1, block_size: int = 8, mask_tok
     """A drafter with the target's widths (hidden, heads, head dim, MLP) and ``layers`` layers;
     ``target_layer_ids`` default: outputs of layers 1, L//2 - 1, L - 4 (the EAGLE-3 collection's
     states entering 2, L//2, L-3)."""
-    from specjax.heads import default_aux_layers
-
     if target_layer_ids is None:
         target_layer_ids = tuple(i - 1 for i in default_aux_layers(target_cfg.num_layers))
     tc = target_cfg
@@ -99,8 +101,6 @@ def dflash_loss(params, frozen, tokens, lengths, hidden, prompt_lens, *, cfg, ta
 
 def export_head(params, cfg, target_cfg, out: str, dtype: str = "float16") -> None:
     """Writes the drafter in the published layout (``dflash_io.save_dflash``)."""
-    from specjax.io import dflash_io
-
     dflash_io.save_dflash(dflash.DFlashHead(params=params, config=cfg), out,
                           num_target_layers=target_cfg.num_layers, dtype=dtype)
 
@@ -131,9 +131,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr)
-
-    import specjax as sj
-    from specjax.train import pipeline, trainer
 
     target = sj.load_model(args.model)
     ids = None if args.target_layer_ids is None else tuple(

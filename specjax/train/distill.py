@@ -36,6 +36,8 @@ import time
 
 import numpy as np
 
+import specjax as sj
+from specjax.engine import Engine, EngineConfig, RequestParams
 from specjax.train.prompts import broad_prompts
 
 log = logging.getLogger("specjax.distill")
@@ -110,8 +112,6 @@ def generate_corpus(target, tok, out_dir: str, *, split: str = "train", num_shar
     Returns:
       the shard paths written or found (finished ones included; not those the budget skipped).
     """
-    import specjax as sj  # noqa: PLC0415
-
     if shard_size < 1 or batch_size < 1 or max_new_tokens < 1:
         raise ValueError("shard_size, batch_size and max_new_tokens must be >= 1")
     os.makedirs(out_dir, exist_ok=True)
@@ -122,8 +122,6 @@ def generate_corpus(target, tok, out_dir: str, *, split: str = "train", num_shar
     eos = tok.eos_token_id
     engine = None
     if engine_slots > 0:
-        from specjax.engine import Engine, EngineConfig  # noqa: PLC0415
-
         engine = Engine(target, config=EngineConfig(
             max_slots=engine_slots, max_model_len=max_prompt_tokens + max_new_tokens,
             token_buckets=(64, 256), max_prefill_tokens=1024))
@@ -142,8 +140,6 @@ def generate_corpus(target, tok, out_dir: str, *, split: str = "train", num_shar
         kept.sort(key=lambda r: len(r[1]))
         rows, t0, new_tokens = [], time.perf_counter(), 0
         if engine is not None:
-            from specjax.engine import RequestParams  # noqa: PLC0415
-
             temps = [0.0 if i % 2 == 0 else temperature for i in range(len(kept))]
             handles = [engine.submit(ids, RequestParams(
                 max_tokens=max_new_tokens, temperature=t, seed=seed + s * shard_size + i,
@@ -197,7 +193,6 @@ def main(argv=None) -> None:
     if not args.out and not args.export_prompts:
         ap.error("--out is required (or --export-prompts FILE)")
     logging.basicConfig(format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
-    import specjax as sj  # noqa: PLC0415
 
     tok = sj.load_tokenizer(args.model)
     if args.export_prompts:

@@ -17,9 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import specjax as sj
+from specjax import timing
+from specjax.api import load_draft
+from specjax.heads import Head, HeadConfig, default_aux_layers, init_head, output_matrix
+from specjax.io.checkpoint import save_checkpoint
+from specjax.io.heads_io import save_eagle3, save_head
+from specjax.model import Model
 from specjax.train import data as data_lib
 from specjax.train import distill
 from specjax.train import trainer
+from specjax.train.corpora import chat_prompts
 
 
 def _hidden_dir(work: str, split: str, aux_layers: tuple = ()) -> str:
@@ -111,10 +119,6 @@ def acceptance_eval(target, tok, draft, method: str, ks=(1, 3), num_prompts: int
     once at batch 1; plain and each k are warmed up, then timed in ``rounds`` interleaved rounds.
     ``speedup`` is the median per-round plain / speculative ratio, ``speedup_spread`` its median,
     min and max, ``max_foreign_cpu`` the largest CPU share other processes used meanwhile."""
-    import specjax as sj  # noqa: PLC0415
-    from specjax import timing  # noqa: PLC0415
-    from specjax.train.corpora import chat_prompts  # noqa: PLC0415
-
     prompts = [tok.apply_chat_template(m) for m in chat_prompts("held_out", limit=num_prompts)]
     kw = dict(max_new_tokens=max_new_tokens, eos_token_id=[])
 
@@ -144,8 +148,6 @@ def init_trainable_head(target, hcfg, seed: int = 0, vocab=None) -> dict:
     (a strong start for a next-token predictor). EAGLE-3: the feature half of the midlayer's
     [2E, .] q/k/v from that layer too (the embedding half random), and its own lm_head starts as
     the target's output projection on the draft vocabulary ``vocab`` ([Vd] ids, None = all)."""
-    from specjax.heads import init_head, output_matrix  # noqa: PLC0415
-
     params = init_head(hcfg, jax.random.key(seed), dtype=target.dtype)
     params.pop("draft_vocab", None)
     last = target.params["layers"][-1]
@@ -168,9 +170,6 @@ def _start_head(target, hcfg, path: str, draft_vocab: int):
     """The head at ``path`` in the target's dtype, to start a run from; ValueError naming
     ``init_from`` when it is not a head of ``hcfg``'s kind and features, or its draft vocabulary
     size is not ``draft_vocab`` (0: whatever it has)."""
-    from specjax.api import load_draft  # noqa: PLC0415
-    from specjax.heads import Head  # noqa: PLC0415
-
     start = load_draft(path, target)
     if not isinstance(start, Head):
         raise ValueError(f"init_from {path!r} is a draft LLM, not a {hcfg.kind} head")
@@ -210,9 +209,6 @@ def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: tra
     features and shapes; its draft vocabulary too) instead of the target's last layer: continue
     or fine-tune a head, e.g. teacher-forced first, then with the training-time test.
     """
-    from specjax.heads import Head, HeadConfig, default_aux_layers  # noqa: PLC0415
-    from specjax.io.heads_io import save_eagle3, save_head  # noqa: PLC0415
-
     hcfg = HeadConfig.for_target(target.config, kind, norms=norms, aux_layers=aux_layers)
     stored = default_aux_layers(target.config.num_layers) if kind == "eagle3" else ()
     if stored:
@@ -276,9 +272,6 @@ def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: tra
 
 def train_draft(target, tok, work: str, out: str, num_layers: int, tc: trainer.TrainConfig,
                 eval_prompts: int = 8, run_name: str | None = None):
-    from specjax.io.checkpoint import save_checkpoint  # noqa: PLC0415
-    from specjax.model import Model  # noqa: PLC0415
-
     cfg = dataclasses.replace(target.config, num_layers=num_layers)
     # student layers start from evenly spaced target layers; embedding + lm_head shared, frozen
     picks = np.linspace(0, target.config.num_layers - 1, num_layers).round().astype(int).tolist()

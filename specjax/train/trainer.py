@@ -203,7 +203,7 @@ def _manager(run_dir: str, create: bool = True):
     """The run's orbax ``CheckpointManager`` (synchronous saves, newest ``_KEEP`` kept; orbax
     finalises a step by renaming its temporary directory, so an interrupted save leaves the
     previous one intact)."""
-    import orbax.checkpoint as ocp  # noqa: PLC0415
+    import orbax.checkpoint as ocp  # noqa: PLC0415 - orbax (~1 s) only when saving or loading
 
     opts = ocp.CheckpointManagerOptions(max_to_keep=_KEEP, create=create,
                                         enable_async_checkpointing=False)
@@ -216,7 +216,7 @@ def _leaves(tree) -> dict:
 
 def _save_state(run_dir: str, tree, step: int) -> None:
     """Writes params + optimizer state as step ``step`` of the run's CheckpointManager."""
-    import orbax.checkpoint as ocp  # noqa: PLC0415
+    import orbax.checkpoint as ocp  # noqa: PLC0415 - orbax (~1 s) only when saving or loading
 
     with _manager(run_dir) as mngr:
         mngr.save(step, args=ocp.args.StandardSave({"leaves": _leaves(tree)}), force=True)
@@ -231,7 +231,7 @@ def _has_state(run_dir: str) -> bool:
 def _load_legacy(run_dir: str, n: int):
     """(leaves, step) of the newest state a run from before the CheckpointManager wrote: an
     orbax ``state-<step>`` directory or a ``state.npz``; None if there is neither."""
-    import orbax.checkpoint as ocp  # noqa: PLC0415
+    import orbax.checkpoint as ocp  # noqa: PLC0415 - orbax (~1 s) only when saving or loading
 
     names = sorted(name for name in os.listdir(run_dir) if _LEGACY_STATE.match(name))
     if names:
@@ -247,7 +247,7 @@ def _load_legacy(run_dir: str, n: int):
 def _load_state(run_dir: str, template):
     """(tree shaped like ``template``, step) from the newest state in run_dir, or None (also
     reads the states of runs written before the CheckpointManager)."""
-    import orbax.checkpoint as ocp  # noqa: PLC0415
+    import orbax.checkpoint as ocp  # noqa: PLC0415 - orbax (~1 s) only when saving or loading
 
     n = len(jax.tree.leaves(template))
     found = None
