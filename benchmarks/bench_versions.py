@@ -149,8 +149,10 @@ def main() -> None:
               "prompts": list(PROMPTS), "rows": rows}
     print(f"foreign CPU share over the timed rounds: {result['foreign_cpu_share']:.1%}")
     if args.out:
+        # (imported here: the workers import the checkout under test, which may predate it)
+        from specjax.provenance import with_provenance  # noqa: PLC0415
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(with_provenance(result), f, indent=2)
 
 
 if __name__ == "__main__":

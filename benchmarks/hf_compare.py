@@ -45,6 +45,7 @@ import specjax as sj
 from specjax import shipped
 from specjax.cost_model import cost_ratios
 from specjax.io.hf import save_hf_dir
+from specjax.provenance import with_provenance
 from specjax.timing import Timer, machine_info, usable_cpus, wait_idle
 from specjax.train.corpora import chat_prompts
 
@@ -358,7 +359,7 @@ def summary(report: dict) -> str:
 def dump(report: dict, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(report, f, indent=2, default=float)
+        json.dump(with_provenance(report), f, indent=2, default=float)
 
 
 # ------------------------------------------------------------------- command-line plumbing

@@ -225,14 +225,14 @@ def test_plain_step_taken_when_nothing_matches(tiny_pair, monkeypatch):
     """With no match in any row the loop runs the one-token step, not the (k+1)-token verify."""
     target, _ = tiny_pair
     calls = {"plain": 0, "chain": 0}
-    for name, key in (("_plain_step", "plain"), ("_chain_step", "chain")):
-        orig = getattr(speculate, name)
+    for name, key in (("plain_step", "plain"), ("chain_step", "chain")):
+        orig = getattr(speculate.steps, name)
 
-        def wrapped(*args, _orig=orig, _key=key):
-            out = _orig(*args)
+        def wrapped(*args, _orig=orig, _key=key, **kw):
+            out = _orig(*args, **kw)
             jax.debug.callback(lambda: calls.__setitem__(_key, calls[_key] + 1))
             return out
-        monkeypatch.setattr(speculate, name, wrapped)
+        monkeypatch.setattr(speculate.steps, name, wrapped)
     # Distinct-token prompts: one whose first generated token is new (nothing can match), one
     # whose first generated token repeats a prompt token (a match). ngram_max=4 is used by no
     # other test, so nothing compiled before the patch is reused.

@@ -26,7 +26,7 @@ from jax import lax
 
 from specjax import acceptance, kv_cache, ngram, registry, sampling, tree
 from specjax.config import SpecConfig
-from specjax.sampling import step_keys
+from specjax.sampling import step_keys  # noqa: F401 - re-exported to the steps
 
 LAG_WINDOW = 16  # W: plain steps a drafter may fall behind before it is caught up
 
