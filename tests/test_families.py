@@ -141,7 +141,7 @@ def test_family_tables_cover_the_registry():
     assert no_rules == {"qwen3_moe", "gemma3"}  # the registry says why (no rules yet)
     assert set(sharding_families.SHARD) == names - no_rules
     with pytest.raises(ValueError, match=r"load_hf table: unknown families \[\], "
-                                         r"no entry for \['qwen3_moe'\]"):
+                                         r"no entry for \['gemma3', 'qwen3_moe'\]"):
         registry.check_table({"llama": None, "deepseek": None}, "load_hf")
     with pytest.raises(ValueError, match=r"unknown families \['gpt2'\]"):
         registry.check_table({"gpt2": None}, "read_mtp", every_family=False)
