@@ -11,6 +11,8 @@ processes other than the two workers, over the timed passes) is recorded.
 
   python benchmarks/bench_versions.py --old /work/wt-base --new . --rounds 5 \
       --out benchmarks/results/refactor_speed.json
+  (--new-weights float32: the new checkout on float32 weights, to isolate code changes from
+  the quantized GGUF weights it loads by default)
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def worker(max_new: int) -> None:
     import specjax as sj  # noqa: PLC0415 - the checkout under test (PYTHONPATH)
     from specjax.tree import TreeConfig  # noqa: PLC0415
 
-    target = sj.load_model("smollm2-135m")
+    weights = os.environ.get("BENCH_WEIGHTS")  # only for a checkout that has load_model(weights=)
+    target = sj.load_model("smollm2-135m", **({"weights": weights} if weights else {}))
     tok = sj.load_tokenizer("smollm2-135m")
     head = sj.load_draft(os.path.join(os.environ["BENCH_REPO"], HEAD), target=target)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in PROMPTS]
@@ -87,6 +90,8 @@ def main() -> None:
     ap.add_argument("--new", default=".", help="checkout under test")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--new-weights", default=None, choices=("quantized", "float32"),
+                    help="load_model(weights=...) for the new checkout (default: its default)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -99,6 +104,8 @@ def main() -> None:
     for side in ("old", "new"):
         repo = os.path.abspath(getattr(args, side))
         env = dict(os.environ, PYTHONPATH=repo, BENCH_REPO=here)
+        if side == "new" and args.new_weights:
+            env["BENCH_WEIGHTS"] = args.new_weights
         workers[side] = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--worker", "--old", "-",
              "--max-new-tokens", str(args.max_new_tokens)],
@@ -145,7 +152,7 @@ def main() -> None:
               "old_commit": _git(args.old, "rev-parse", "HEAD"), "new_commit": _git(args.new, "rev-parse", "HEAD"),
               "new_dirty": bool(_git(args.new, "status", "--porcelain", "--untracked-files=no")),
               "python": sys.version.split()[0], "cpu_count": cpus, "loadavg": os.getloadavg(),
-              "foreign_cpu_share": foreign / (elapsed * cpus), "max_new_tokens": args.max_new_tokens,
+              "foreign_cpu_share": foreign / (elapsed * cpus), "max_new_tokens": args.max_new_tokens, "new_weights": args.new_weights,
               "prompts": list(PROMPTS), "rows": rows}
     print(f"foreign CPU share over the timed rounds: {result['foreign_cpu_share']:.1%}")
     if args.out:
