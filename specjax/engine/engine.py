@@ -119,9 +119,9 @@ class Engine:
         self.k_eff = spec.k_eff  # most drafts one step accepts (the tree depth for trees)
         # A step adds at most k_eff + 1 tokens and writes at most `write_ahead` slots from n - 1.
         # (a block drafter writes its whole block from n - 1: Drafter.slots_ahead)
-        ahead = speculate.make_plan(target.config, None if draft is None else draft.config,
-                                    spec).drafter.slots_ahead
-        write_ahead = max(spec.extra_slots, ahead) if self.k_eff else 1
+        drafter = speculate.make_plan(target.config, None if draft is None else draft.config,
+                                      spec).drafter
+        write_ahead = max(spec.extra_slots, drafter.slots_ahead) if self.k_eff else 1
         pages_per_seq = pages_needed(cfg.max_model_len + self.k_eff + 1 + write_ahead,
                                      spec.page_size)
         num_pages = cfg.num_pages or cfg.max_slots * pages_per_seq
@@ -143,8 +143,7 @@ class Engine:
                             f"{cfg.enable_prefix_caching!r}")
         # a head's KV at position j consumes token j + 1 (module docstring of the allocator):
         # the drafter's lag_offset says how many tokens past a position its cache entry reads
-        lookahead = speculate.make_plan(target.config, None if draft is None else draft.config,
-                                        spec).drafter.lag_offset
+        lookahead = drafter.lag_offset
         self.allocator = PageAllocator(num_pages, spec.page_size, lookahead=lookahead)
         k_table = cfg.num_speculative_tokens_per_batch_size
         self._spec_sc = {}  # k -> StepConfig of a speculative step drafting k tokens
