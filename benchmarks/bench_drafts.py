@@ -35,6 +35,7 @@ import jax
 import specjax as sj
 from specjax import timing
 from specjax import shipped
+from specjax.api import merge_outputs
 from specjax.heads import Head
 from specjax.train.corpora import chat_prompts
 from specjax.tree import TreeConfig
@@ -210,17 +211,16 @@ def main(argv=None):
     for (name, label), (k, extra) in configs.items():
         r = res[(name, label)]
         outs = r["result"]
-        steps = sum(o.stats["row_steps"] for o in outs)
-        after_first = sum(o.stats["generated_tokens"] - 1 for o in outs)
+        merged = merge_outputs(outs).stats  # the definitions of api.acceptance_summary
         sp = timing.paired_speedup(plain["wall_s"], r["wall_s"])
         fc = timing.max_foreign(plain, r)
         row = dict(draft=name, method=extra["method"], k=label,
-                   mean_accepted_length=after_first / steps if steps else float("nan"),
+                   mean_accepted_length=merged["mean_accepted_length"],
+                   acceptance_rate=merged["acceptance_rate"],
+                   tokens_per_row_step=merged["tokens_per_row_step"],
                    speedup=sp, identical_to_plain=[o.tokens[0] for o in outs] == want,
                    wall_time_s=r["wall_s"], plain_wall_time_s=plain["wall_s"], max_foreign_cpu=fc,
-                   per_position_acceptance=[
-                       sum(o.stats["per_position_acceptance"][i] * o.stats["row_steps"]
-                           for o in outs) / steps for i in range(k)])
+                   per_position_acceptance=merged["per_position_acceptance"])
         rows.append(row)
         print(f"| {name} | {row['method']} | {label} | {row['mean_accepted_length']:.2f} | "
               f"{sp['median']:.2f}x [{sp['min']:.2f}, {sp['max']:.2f}] | "

@@ -60,7 +60,7 @@ def evaluate(target, tok, draft, configs, prompts_per_domain: int, max_new_token
             for b0 in range(0, len(ps), batch_size):
                 o = sj.generate(target, ps[b0:b0 + batch_size], draft=draft, **kw, **extra)
                 same &= o.tokens == plain[d][b0:b0 + batch_size]
-                rs = o.stats["row_steps"]
+                rs = o.stats["speculative_steps"]  # per_position_acceptance is per speculative step
                 a = np.asarray(o.stats["per_position_acceptance"]) * rs
                 acc_pos = a if acc_pos is None else acc_pos + a
                 steps += rs

@@ -346,8 +346,8 @@ def sec_smoke():
         # every draft accepted: n-1 tokens after the first in ceil((n-1)/4) steps (the last may
         # be cut by max_new_tokens; its cut drafts are not counted)
         want = (n - 1) / -(-(n - 1) // 4)
-        checks["self_draft_accepts_all"] = {"value": o.stats["mean_accepted_length"], "want": want,
-                                            "ok": abs(o.stats["mean_accepted_length"] - want) < 1e-6
+        checks["self_draft_accepts_all"] = {"value": o.stats["tokens_per_row_step"], "want": want,
+                                            "ok": abs(o.stats["tokens_per_row_step"] - want) < 1e-6
                                             and o.stats["per_position_acceptance"][0] == 1.0
                                             and o.tokens[0] == plain}
         hcfg = HeadConfig.for_target(t.config, "mtp")
@@ -404,21 +404,23 @@ def planted_good(vocab_size: int, alpha: float, key):
 
 
 def planted_accept_length(good, prompts, n: int, k: int) -> float:
-    """Tokens per speculative row-step that greedy decoding of ``n`` tokens per prompt must
-    measure on the planted structure: from pending token t a step accepts the run of good ids
-    t, t+1, ... (at most k), then emits one more; the last step is cut at n tokens."""
+    """The mean accepted length (1 + accepted / speculative steps, api.acceptance_summary) that
+    greedy decoding of ``n`` tokens per prompt must measure on the planted structure: from
+    pending token t a step accepts the run of good ids t, t+1, ... (at most k), then emits one
+    more; the last step is cut at n tokens (its cut drafts are not accepted ones)."""
     good = [bool(g) for g in good]
-    v, steps = len(good), 0
+    v, steps, accepted = len(good), 0, 0
     for p in prompts:
         last, emitted = (p[-1] + 1) % v, 1  # the prefill's token
         while emitted < n:
             a = 0
             while a < k and good[(last + a) % v]:
                 a += 1
+            accepted += min(a, n - emitted)
             emitted += a + 1
             last = (last + a + 1) % v
             steps += 1
-    return len(prompts) * (n - 1) / steps
+    return 1 + accepted / steps
 
 
 def with_acceptance(draft, alpha: float, key):
@@ -511,8 +513,8 @@ def sec_synthetic(sizes: Sizes, bw: float | None, report: Report):
         stats = [o[1] for o in outs if o[1] is not None]
         mal = planted = None
         if stats and method != "plain":
-            steps = sum(s["row_steps"] for s in stats)
-            mal = sum(s["mean_accepted_length"] * s["row_steps"] for s in stats) / steps
+            steps = sum(s["speculative_steps"] for s in stats)
+            mal = 1 + sum(s["accepted_tokens"] for s in stats) / steps  # api.acceptance_summary
             planted = planted_accept_length(planted_good(v, alpha, key_bad),
                                             [p for c in calls for p in c], n, k)
         tps = ntok / wall

@@ -45,6 +45,7 @@ import specjax as sj
 from specjax import shipped
 from specjax.cost_model import cost_ratios
 from specjax.io.hf import save_hf_dir
+from specjax.options import spec_from_options
 from specjax.provenance import with_provenance
 from specjax.timing import Timer, machine_info, usable_cpus, wait_idle
 from specjax.train.corpora import chat_prompts
@@ -87,10 +88,12 @@ def specjax_cases(target, n_new: int, drafts: dict, ks: dict, adaptive: bool = F
     description)}; method "ngram" takes draft None."""
 
     def runner(method, draft, k, adapt=False):
+        # the one translation the CLI, the server and sj.generate use (specjax/options.py)
+        spec = spec_from_options({"method": method, "num_draft_tokens": k, "adaptive": adapt})
+
         def run(prompts):
-            out = sj.generate(target, prompts, max_new_tokens=n_new, draft=draft, method=method,
-                              num_draft_tokens=k, temperature=0.0, eos_token_id=[],
-                              adaptive=adapt)
+            out = sj.generate(target, prompts, max_new_tokens=n_new, draft=draft, spec=spec,
+                              temperature=0.0, eos_token_id=[])
             s = out.stats
             extra = {"row_steps": s["row_steps"],  # tokens after each row's first
                      "step_tokens": s["generated_tokens"] - len(prompts)}

@@ -311,11 +311,44 @@ class GenerateOutput:
     texts: list | None = None  # decoded text per prompt when a tokenizer was available
 
 
+def acceptance_summary(counts: dict, acc_pos, num_rows: int) -> dict:
+    """The derived speculation figures, defined once (vLLM's definitions; the engine's
+    ``EngineMetrics`` and the server's per-request numbers use the same):
+
+    * ``acceptance_rate`` = accepted / drafted: drafted counts every draft token the target
+      verified (a tree: every node), so it means the same for chains, trees, n-gram and block
+      drafters;
+    * ``mean_accepted_length`` = 1 + accepted / speculative steps (tokens a step that verified
+      drafts yields; a step cut by EOS / max_new_tokens counts its emitted drafts only);
+    * ``per_position_acceptance`` [K] = steps that accepted draft i / speculative steps;
+    * ``plain_steps`` = row-steps that verified no draft (an n-gram row without a match, an
+      adaptive k = 0 step), reported apart; ``tokens_per_row_step`` = tokens after each row's
+      first (prefill) one / all row-steps (what the wall clock sees).
+
+    Args:
+      counts: ``accepted_tokens``, ``drafted_tokens``, ``speculative_steps``, ``row_steps``,
+        ``generated_tokens``.
+      acc_pos: float [K] (or None when nothing is drafted): speculative steps that accepted
+        draft i.
+      num_rows: rows (each has one token from its prefill).
+    """
+    nan = float("nan")
+    spec, rows, drafted = counts["speculative_steps"], counts["row_steps"], counts["drafted_tokens"]
+    return {
+        "acceptance_rate": counts["accepted_tokens"] / drafted if drafted else nan,
+        "mean_accepted_length": 1 + counts["accepted_tokens"] / spec if spec else nan,
+        "per_position_acceptance": ([] if acc_pos is None else
+                                    (np.asarray(acc_pos, np.float64) / max(spec, 1)).tolist()),
+        "plain_steps": rows - spec,
+        "tokens_per_row_step": (counts["generated_tokens"] - num_rows) / rows if rows else nan,
+    }
+
+
 def merge_outputs(outputs: list) -> GenerateOutput:
     """Several ``generate`` calls (e.g. one prompt each, batch 1) as one output: tokens and texts
-    concatenated; counts, wall time and the k histogram summed; mean accepted length, acceptance
-    per position and acceptance rate recomputed over all row-steps (so they equal what one
-    batched call over the same rows would report for the same accepted drafts)."""
+    concatenated; counts, wall time and the k histogram summed; the derived figures
+    (``acceptance_summary``) recomputed from the sums (so they equal what one batched call over
+    the same rows would report for the same accepted drafts)."""
     if not outputs:
         raise ValueError("merge_outputs needs at least one GenerateOutput")
     first = outputs[0].stats
@@ -328,18 +361,11 @@ def merge_outputs(outputs: list) -> GenerateOutput:
             stats[key] = sum(o.stats[key] for o in outputs)
     if "k_histogram" in first:
         stats["k_histogram"] = [int(sum(c)) for c in zip(*(o.stats["k_histogram"] for o in outputs))]
-    row_steps = stats["row_steps"]
-    per_step = max(row_steps, 1)
-    k = first["num_draft_tokens"]
-    if k:
-        pos = np.zeros(len(first["per_position_acceptance"]))
-        for o in outputs:
-            pos += np.asarray(o.stats["per_position_acceptance"]) * max(o.stats["row_steps"], 1)
-        stats["per_position_acceptance"] = (pos / per_step).tolist()
-        drafted = stats.get("drafted_tokens", per_step * k)
-        stats["acceptance_rate"] = stats["accepted_tokens"] / drafted if drafted else float("nan")
-    stats["mean_accepted_length"] = ((stats["generated_tokens"] - len(tokens)) / per_step
-                                     if row_steps else float("nan"))
+    acc_pos = None
+    if first["num_draft_tokens"]:
+        acc_pos = sum(np.asarray(o.stats["per_position_acceptance"]) * o.stats["speculative_steps"]
+                      for o in outputs)
+    stats.update(acceptance_summary(stats, acc_pos, len(tokens)))
     wall = stats.get("wall_time_s", 0.0)
     stats["tokens_per_second"] = stats["generated_tokens"] / wall if wall > 0 else float("inf")
     return GenerateOutput(tokens=tokens, stats=stats, texts=texts)
@@ -420,9 +446,11 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
         unset (None) they take SpecConfig's defaults, and they go through the same translation
         as the command line (``specjax.options.spec_from_options``).
     Returns:
-      GenerateOutput with .tokens (list[list[int]]) and .stats (acceptance_rate,
-      mean_accepted_length, per_position_acceptance, accepted_tokens, steps, row_steps,
-      generated_tokens, tokens_per_second, ...), counted from the tokens actually returned.
+      GenerateOutput with .tokens (list[list[int]]) and .stats (counts: accepted_tokens,
+      drafted_tokens, speculative_steps, row_steps, steps, generated_tokens; derived, defined in
+      ``acceptance_summary``: acceptance_rate, mean_accepted_length, per_position_acceptance,
+      plain_steps, tokens_per_row_step; tokens_per_second, ...), counted from the tokens
+      actually returned.
       wall_time_s / tokens_per_second cover the whole call, so the first call with new shapes
       includes compilation: time a second call (the benchmarks do).
     """
@@ -469,29 +497,25 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
     toks = [out_tokens[i, :num_out[i]].tolist() for i in range(b)]
     total = int(num_out[:b].sum())
     row_steps = int(row_steps)
-    # Counted from what was emitted: drafts cut by EOS / max_new are not accepted drafts, and
-    # mean_accepted_length * row_steps == tokens generated after each row's first (prefill) one.
+    # Counted from what was emitted: drafts cut by EOS / max_new are not accepted drafts.
     accepted = int(acc_pos.sum()) if k_eff else 0
-    per_step = max(row_steps, 1)
     # Every draft token the target verified (a tree: every node; n-gram rows without a match
-    # and adaptive k = 0 steps verify none), so acceptance_rate = accepted / verified means the
-    # same for chains, trees and n-gram drafting.
+    # and adaptive k = 0 steps verify none): see acceptance_summary.
     drafted = int(extra.get("drafted", 0))
+    spec_steps = int(extra.get("spec_steps", 0))  # row-steps that verified drafts
     stats = {
         "method": method,
         "num_draft_tokens": k_eff,
-        "acceptance_rate": accepted / drafted if drafted else float("nan"),
-        "mean_accepted_length": (total - b) / per_step if row_steps else float("nan"),
-        "per_position_acceptance": (acc_pos / per_step).tolist() if k_eff else [],
         "accepted_tokens": accepted,
+        "drafted_tokens": drafted,
+        "speculative_steps": spec_steps,
         "steps": int(steps) - 1,
         "row_steps": row_steps,
         "generated_tokens": total,
         "wall_time_s": elapsed,
         "tokens_per_second": total / elapsed if elapsed > 0 else float("inf"),
     }
-    stats["drafted_tokens"] = drafted
-    stats["speculative_steps"] = int(extra.get("spec_steps", 0))  # row-steps that verified drafts
+    stats.update(acceptance_summary(stats, acc_pos if k_eff else None, b))
     if "k_hist" in extra:
         stats["k_histogram"] = [int(c) for c in extra["k_hist"]]
     if "table" in extra:  # adaptive_by="confidence": decayed accepted / reached per cell

@@ -84,9 +84,11 @@ def mimic_head(target: Model, kind: str, gain: float = 0.3):
 
 
 def accept_length_counts(stats) -> list[int]:
-    """Row-steps that accepted exactly j drafts, j = 0..k, from generate's per-position stats."""
-    per_pos = [round(p * stats["row_steps"]) for p in stats["per_position_acceptance"]]
-    at_least = [stats["row_steps"]] + per_pos + [0]
+    """Speculative row-steps that accepted exactly j drafts, j = 0..k, from generate's
+    per-position stats."""
+    n = stats["speculative_steps"]
+    per_pos = [round(p * n) for p in stats["per_position_acceptance"]]
+    at_least = [n] + per_pos + [0]
     return [at_least[j] - at_least[j + 1] for j in range(len(per_pos) + 1)]
 
 

@@ -290,7 +290,7 @@ def _smollm2_or_skip():
         pytest.skip(f"SmolLM2 not available: {e}")
 
 
-@pytest.mark.slow
+# default run: every command works with its defaults (README's claim; ~1-2 min each)
 def test_generate_with_its_defaults():
     """`specjax generate --prompt ...` with every default (shorter output only): SmolLM2, the
     recommended draft, and the same tokens as plain decoding (greedy is lossless)."""
@@ -306,7 +306,7 @@ def test_generate_with_its_defaults():
     assert out["tokens"] == json.loads(plain.stdout)["tokens"] and len(out["tokens"][0]) == 8
 
 
-@pytest.mark.slow
+# default run: every command works with its defaults (README's claim; ~1-2 min each)
 def test_demo_with_its_defaults():
     """`specjax demo` with every default but one round and short answers: the report names the
     recommended draft and finds both speculative answers identical to plain decoding."""

@@ -400,7 +400,7 @@ def test_metrics_have_the_usual_names(target, drafts):
     assert s["spec_decode_num_draft_tokens"] == K * drafts_
     assert s["acceptance_rate"] == pytest.approx(acc / (K * drafts_))
     emitted = s["spec_decode_num_emitted_tokens"]  # what requests received from spec steps
-    assert s["mean_accepted_length"] == pytest.approx(emitted / drafts_) == s["spec_accept_length"]
+    assert s["mean_accepted_length"] == pytest.approx(1 + acc / drafts_) == s["spec_accept_length"]
     assert acc <= emitted <= acc + drafts_  # drafts then one token, unless max_tokens cut the step
     per_pos = s["spec_decode_num_accepted_tokens_per_pos"]
     assert len(per_pos) == K and sum(per_pos) == acc and per_pos == sorted(per_pos, reverse=True)

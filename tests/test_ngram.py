@@ -140,7 +140,8 @@ def test_adaptive_self_draft_accepts_everything_after_plain_streaks(tiny_pair, f
         hist, s = out.stats["k_histogram"], out.stats
         assert hist[0] > speculate.LAG_WINDOW and hist[K] > 0, hist
         drafted = s["drafted_tokens"]
-        accepted = (s["mean_accepted_length"] - 1) * s["row_steps"]
+        accepted = s["accepted_tokens"]
+        assert s["mean_accepted_length"] == pytest.approx(1 + accepted / s["speculative_steps"])
     else:
         from specjax.engine import Engine, EngineConfig, RequestParams
         engine = Engine(target, target, EngineConfig(
@@ -484,7 +485,8 @@ def test_confident_self_draft_accepts_everything(tiny_pair, fixed_costs, where):
         assert out.tokens == want
         s = out.stats
         hist, drafted = s["k_histogram"], s["drafted_tokens"]
-        accepted = (s["mean_accepted_length"] - 1) * s["row_steps"]
+        accepted = s["accepted_tokens"]
+        assert s["mean_accepted_length"] == pytest.approx(1 + accepted / s["speculative_steps"])
     else:
         from specjax.engine import Engine, EngineConfig, RequestParams
         engine = Engine(target, target, EngineConfig(spec, max_slots=2, batch_buckets=(2,),

@@ -548,7 +548,7 @@ def test_serve_accepts_every_method_and_option():
         make_engine_config(method="draft", bogus=1)
 
 
-@pytest.mark.slow
+# default run: every command works with its defaults (README's claim; ~1-2 min each)
 def test_serve_with_defaults_answers_the_openai_client(tmp_path):
     """`specjax serve --model smollm2-135m` (only a port added): no draft named, so the
     recommended draft of checkpoints/fastest.json; one chat request through the openai client

@@ -87,9 +87,11 @@ def test_stop_string_is_a_success_counting_only_returned_tokens(served, stream):
     assert got == text[:cut] and reason == "stop"
     assert usage.completion_tokens == n and usage.total_tokens == len(ids) + n
 
-    def settled():
+    def settled():  # the engine may finish by length first; the stop string restates it
         s = engine.stats()
-        return s["request_success_total"] == before["request_success_total"] + 1
+        return (s["request_success_total"] == before["request_success_total"] + 1
+                and s["request_finished_by_reason"]["stop"]
+                == before["request_finished_by_reason"]["stop"] + 1)
     assert wait_for(settled), "a stop-string finish must count as a success"
     after = engine.stats()
     fin_b, fin_a = before["request_finished_by_reason"], after["request_finished_by_reason"]
@@ -188,12 +190,33 @@ def test_response_carries_its_own_spec_numbers(served):
     assert sd["num_drafts"] == 4 and sd["num_draft_tokens"] == 4 * K
     assert sd["num_accepted_tokens"] == 3 * K + 2  # the cut step returned 2 accepted drafts
     assert sd["num_accepted_tokens_per_pos"] == [4, 4, 3]
-    assert sd["mean_acceptance_length"] == pytest.approx((n - 1) / 4)
+    assert sd["mean_acceptance_length"] == pytest.approx(1 + (3 * K + 2) / 4)  # vLLM's definition
     chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=n,
                                             temperature=0, stream=True,
                                             extra_body={"ignore_eos": True},
                                             stream_options={"include_usage": True}))
     assert chunks[-1].usage.model_extra["spec_decoding"] == sd
+
+
+def test_stop_string_found_after_the_engine_finished_restates_the_count(served):
+    """The engine may finish a request by length before the server's detokenizer finds a stop
+    string in its text (the race a loaded machine shows): finish_stopped then restates it as a
+    "stop" success with only the returned tokens (not an extra success, not a no-op)."""
+    engine, tok = served["engine"], served["tok"]
+    h = engine.submit(tok.encode("Hello"), sj.RequestParams(max_tokens=8, stop_token_ids=()))
+    assert len(h.result(60)) == 8 and h.finish_reason == "length"
+    before = engine.stats()
+    engine.finish_stopped(h.id, 3)
+    assert wait_for(lambda: engine.stats()["request_finished_by_reason"]["stop"]
+                    == before["request_finished_by_reason"]["stop"] + 1)
+    after = engine.stats()
+    assert after["request_finished_by_reason"]["length"] == before["request_finished_by_reason"]["length"] - 1
+    assert after["request_success_total"] == before["request_success_total"]
+    assert before["generation_tokens_total"] - after["generation_tokens_total"] == 5
+    assert len(h.tokens) == 3 and h.finish_reason == "stop"
+    engine.finish_stopped(h.id, 2)  # once only: the request left the recent list
+    time.sleep(0.3)
+    assert engine.stats()["generation_tokens_total"] == after["generation_tokens_total"]
 
 
 def test_request_spec_stats_counts_only_returned_tokens():
@@ -204,5 +227,5 @@ def test_request_spec_stats_counts_only_returned_tokens():
     cut = request_spec_stats(steps_, 6, 3)  # a stop string after the second step's first token
     assert cut["num_drafts"] == 2 and cut["num_accepted_tokens"] == 4
     assert cut["num_accepted_tokens_per_pos"] == [2, 1, 1]
-    assert cut["mean_acceptance_length"] == pytest.approx(5 / 2)
+    assert cut["mean_acceptance_length"] == pytest.approx(1 + 4 / 2)
     assert request_spec_stats([], 4, 3)["mean_acceptance_length"] is None

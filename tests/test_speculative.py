@@ -34,14 +34,17 @@ def noisy_draft(tiny_pair):
 
 def check_stats_agree(out, num_prompts):
     """Acceptance stats agree with the tokens returned: tokens after each row's first (prefill)
-    token are exactly mean_accepted_length * row_steps; each row-step emits its accepted drafts
-    plus one token, except a row's last step, which EOS / max_new may cut."""
+    token are exactly tokens_per_row_step * row_steps; each row-step emits its accepted drafts
+    plus one token, except a row's last step, which EOS / max_new may cut; mean_accepted_length
+    is vLLM's 1 + accepted / speculative steps (api.acceptance_summary)."""
     s = out.stats
     after_first = sum(len(t) for t in out.tokens) - num_prompts
-    assert s["mean_accepted_length"] * s["row_steps"] == pytest.approx(after_first)
-    accepted = round(sum(s["per_position_acceptance"]) * s["row_steps"])
+    assert s["tokens_per_row_step"] * s["row_steps"] == pytest.approx(after_first)
+    accepted = round(sum(s["per_position_acceptance"]) * s["speculative_steps"])
     assert accepted == s["accepted_tokens"]
     assert accepted + s["row_steps"] - num_prompts <= after_first <= accepted + s["row_steps"]
+    assert s["mean_accepted_length"] == pytest.approx(1 + accepted / s["speculative_steps"])
+    assert s["plain_steps"] + s["speculative_steps"] == s["row_steps"]
 
 
 def _eos_for_staggered_stops(tokens):
@@ -114,7 +117,8 @@ def test_self_draft_accepts_everything(tiny_pair, k, draft_sampling):
     full, rest = divmod(32, k + 1)
     steps = full + (rest > 0)
     assert out.stats["row_steps"] == steps * len(PROMPTS)
-    assert out.stats["mean_accepted_length"] == pytest.approx(32 / steps)
+    assert out.stats["tokens_per_row_step"] == pytest.approx(32 / steps)
+    assert out.stats["mean_accepted_length"] == pytest.approx(1 + (full * k + rest) / steps)
     assert out.stats["per_position_acceptance"] == pytest.approx(
         [(full + (i < rest)) / steps for i in range(k)])
     assert out.stats["accepted_tokens"] == (full * k + rest) * len(PROMPTS)

@@ -172,6 +172,9 @@ class Engine:
         self._submitted: queue.SimpleQueue = queue.SimpleQueue()
         self._aborts: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict = {}  # id -> Request, from drained submission until finished
+        # the last requests the engine finished itself (stop token / length), for a stop string
+        # the server finds in text the engine already finished (finish_stopped)
+        self._recent: collections.OrderedDict = collections.OrderedDict()
         self._ids = itertools.count()
         self._rng = np.random.default_rng(cfg.seed)
         self._lock = threading.Lock()
@@ -230,7 +233,9 @@ class Engine:
     def finish_stopped(self, request_id: int, num_tokens: int) -> None:
         """Ends a request whose client found a stop string in its text, as a *success*.
 
-        Safe to call from any thread, a no-op once the request has finished. Applied at the start
+        Safe to call from any thread. If the engine has already finished the request by length
+        or a stop token (it may run ahead of the server's detokenizer), its count is restated as
+        finished by "stop" with only the first ``num_tokens`` tokens. Applied at the start
         of the next ``step()`` like ``abort`` (slot and pages go back, in-flight results are
         discarded), but the request counts as finished by "stop": it is in
         ``request_success_total`` and the latency histograms (its end-to-end latency is taken at
@@ -359,6 +364,8 @@ class Engine:
                 return
             req = self._live.pop(rid, None)
             if req is None:
+                if keep is not None:
+                    self._restate_stopped(self._recent.pop(rid, None), keep)
                 continue  # already finished (or never submitted)
             reason = "abort" if keep is None else "stop"
             if req.state == WAITING:
@@ -376,6 +383,20 @@ class Engine:
                 m.request_success_total += 1
                 self._observe_finish(req, req.last_token_at or time.perf_counter())
             self._outbox.append((req, [], reason))
+
+    def _restate_stopped(self, req: Request | None, keep: int) -> None:
+        """A stop string ended ``req`` at ``keep`` tokens after the engine had finished it by
+        length or a stop token (the engine ran ahead of the server's detokenizer): it counts as
+        finished by "stop" with only the returned tokens, as if finish_stopped had come first."""
+        if req is None or keep >= len(req.output):
+            return
+        m = self.metrics
+        m.request_finished_by_reason[req.finish_reason] -= 1
+        m.request_finished_by_reason["stop"] += 1
+        m.generation_tokens_total -= len(req.output) - keep
+        del req.output[keep:]
+        req.handle.tokens[keep:] = []
+        req.finish_reason = req.handle.finish_reason = "stop"
 
     def _row_dict(self, row) -> dict:
         r = row.req
@@ -478,6 +499,9 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(req, reason)
             self._live.pop(req.id, None)
+            self._recent[req.id] = req
+            if len(self._recent) > 1024:
+                self._recent.popitem(last=False)
             m.request_success_total += 1
             m.request_finished_by_reason[reason] += 1
             self._observe_finish(req, now)

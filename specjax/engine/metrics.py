@@ -8,10 +8,12 @@ Counters and histograms are plain Python (host side, updated when a step's resul
   without a match or an adaptive plain step proposes none), ``spec_decode_num_draft_tokens``,
   ``spec_decode_num_accepted_tokens``, ``spec_decode_num_accepted_tokens_per_pos``,
   ``spec_decode_num_emitted_tokens``, all counted from the tokens a request actually received
-  (accepted drafts cut by its stop or max_tokens do not count); derived ``acceptance_rate`` =
-  accepted / draft tokens, ``mean_accepted_length`` (SGLang ``spec_accept_length``) = emitted /
-  drafts (tokens received per speculative row-step; 1 + accepted / drafts unless a step was cut),
-  and ``per_position_acceptance`` [K] = accepted at position i / drafts.
+  (accepted drafts cut by its stop or max_tokens do not count); derived, with the definitions
+  of ``specjax.api.acceptance_summary`` (the same in ``sj.generate``, here and per request):
+  ``acceptance_rate`` = accepted / draft tokens, ``mean_accepted_length`` (SGLang
+  ``spec_accept_length``) = 1 + accepted / drafts (vLLM's mean acceptance length), and
+  ``per_position_acceptance`` [K] = accepted at position i / drafts. Steps that proposed no
+  draft are counted apart (``spec_decode_num_plain_steps``).
 * latency histograms (seconds; mean/p50/p90/p99/count): ``time_to_first_token_seconds``,
   ``inter_token_latency_seconds`` (one sample per step in which a request received tokens, as in
   vLLM v1; speculative steps deliver several tokens at once), ``time_per_output_token_seconds``
@@ -55,10 +57,10 @@ def request_spec_stats(spec_steps, num_tokens: int, k: int) -> dict:
       k: K, the most drafts one step can accept.
     Returns:
       ``{"num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos"
-      [K], "mean_acceptance_length"}``: the last = tokens received from speculative steps /
-      drafts (1 + accepted / drafts unless a step was cut; None without drafts).
+      [K], "mean_acceptance_length"}``: the last = 1 + accepted / drafts (vLLM's; None without
+      drafts).
     """
-    drafts = draft_tokens = accepted = emitted = 0
+    drafts = draft_tokens = accepted = 0
     per_pos = [0] * k
     for start, acc, drafted in spec_steps:
         got = min(acc + 1, num_tokens - start)
@@ -68,12 +70,11 @@ def request_spec_stats(spec_steps, num_tokens: int, k: int) -> dict:
         drafts += 1
         draft_tokens += drafted
         accepted += a
-        emitted += got
         for i in range(a):
             per_pos[i] += 1
     return {"num_drafts": drafts, "num_draft_tokens": draft_tokens,
             "num_accepted_tokens": accepted, "num_accepted_tokens_per_pos": per_pos,
-            "mean_acceptance_length": emitted / drafts if drafts else None}
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
 
 
 class EngineMetrics:
@@ -92,6 +93,7 @@ class EngineMetrics:
         self.spec_decode_num_draft_tokens = 0
         self.spec_decode_num_accepted_tokens = 0
         self.spec_decode_num_emitted_tokens = 0
+        self.spec_decode_num_plain_steps = 0
         self.spec_decode_num_accepted_tokens_per_pos = [0] * self.k
         self.generation_tokens_total = 0
         self.prompt_tokens_total = 0
@@ -108,6 +110,7 @@ class EngineMetrics:
         ``num_emitted`` tokens, ``num_accepted`` of them drafts (accepted drafts cut by a stop or
         max_tokens are not counted)."""
         if num_drafted == 0:
+            self.spec_decode_num_plain_steps += 1
             return
         self.spec_decode_num_emitted_tokens += num_emitted
         self.spec_decode_num_drafts += 1
@@ -132,8 +135,8 @@ class EngineMetrics:
             "spec_decode_num_accepted_tokens_per_pos": list(self.spec_decode_num_accepted_tokens_per_pos),
             "spec_decode_num_emitted_tokens": self.spec_decode_num_emitted_tokens,
             "acceptance_rate": accepted / self.spec_decode_num_draft_tokens if drafts else float("nan"),
-            "mean_accepted_length": self.spec_decode_num_emitted_tokens / drafts if drafts
-            else float("nan"),
+            "spec_decode_num_plain_steps": self.spec_decode_num_plain_steps,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else float("nan"),
             "per_position_acceptance": [a / drafts for a in self.spec_decode_num_accepted_tokens_per_pos]
             if drafts else [],
             "generation_tokens_total": self.generation_tokens_total,

@@ -272,11 +272,10 @@ class _Run:
         if self._open:
             self._open = False
             self.srv.active -= 1
-            if self.handle.finished:
-                pass
-            elif self.detok.stopped_by_string:  # a success: the engine counts it as "stop"
+            if self.detok.stopped_by_string:  # a success: the engine counts it as "stop"
+                # (also when the engine already finished it by length: it restates the count)
                 self.srv.engine.finish_stopped(self.handle.id, self.detok.num_tokens)
-            else:
+            elif not self.handle.finished:
                 self.srv.engine.abort(self.handle.id)
 
     def spec_decoding(self) -> dict:
