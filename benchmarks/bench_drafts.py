@@ -81,12 +81,15 @@ def _trusted(row) -> bool:
             and os.path.basename(os.path.normpath(row["draft"])) in dict(shipped.SHIPPED))
 
 
-def write_fastest(results, command: str, backend: str | None = None) -> dict | None:
-    """The configuration with the best median speedup among trustworthy rows (``_trusted``) ->
-    checkpoints/fastest.json for ``backend``. ``results``: one of this script's JSONs, or several
-    (e.g. the chat and the demo prompt sets): then only configurations timed in every one count,
-    each scored by its worst median over them (a default that holds on every prompt set).
-    Returns the entry written, or None when no configuration qualifies."""
+def select(results) -> tuple | None:
+    """Selection: the configuration with the best median speedup among trustworthy rows
+    (``_trusted``). ``results``: one of this script's JSONs, or several (e.g. the chat and the
+    demo prompt sets): then only configurations timed in every one count, each scored by its
+    worst median over them (a default that holds on every prompt set).
+
+    Returns ``(key, row, per_set, candidates)`` (key = (draft name, method, label); row = the
+    key's row of the worst set; per_set = {prompt set: selection median}), or None when no
+    configuration qualifies."""
     results = [results] if isinstance(results, dict) else list(results)
 
     def key(r):
@@ -95,27 +98,151 @@ def write_fastest(results, command: str, backend: str | None = None) -> dict | N
     per_set = [{key(r): r for r in res["rows"] if _trusted(r)} for res in results]
     common = set(per_set[0]).intersection(*per_set[1:])
     if not common:
-        print("fastest: no configuration qualifies (shipped draft, identical output, foreign CPU "
-              "<= 10%, timed in every JSON): nothing written")
         return None
     best = max(sorted(common), key=lambda c: min(rows[c]["speedup"]["median"] for rows in per_set))
     worst = min(range(len(results)), key=lambda i: per_set[i][best]["speedup"]["median"])
-    row, result = per_set[worst][best], results[worst]
-    entry = dict(draft=best[0], method=row["method"],
-                 **_spec_of_label(row["k"]), speedup=row["speedup"],
-                 mean_accepted_length=row["mean_accepted_length"],
-                 beats_plain=row["speedup"]["median"] > 1.0,
-                 prompt_set=result.get("prompt_set", "chat"), prompts=result["prompts"],
-                 max_new_tokens=result["max_new_tokens"], max_foreign_cpu=row["max_foreign_cpu"],
-                 command=command, date=result["date"], machine=result["machine"],
-                 candidates=len(common))
-    if len(results) > 1:  # speedup above = the worst set's; every set's median here
-        entry["speedup_by_prompt_set"] = {res.get("prompt_set", "chat"): rows[best]["speedup"]["median"]
-                                          for res, rows in zip(results, per_set)}
+    medians = {res.get("prompt_set", "chat"): rows[best]["speedup"]["median"]
+               for res, rows in zip(results, per_set)}
+    return best, per_set[worst][best], medians, len(common)
+
+
+def write_fastest(results, command: str, confirm, backend: str | None = None) -> dict | None:
+    """Chooses on ``results`` (``select``), then has ``confirm`` time the chosen configuration
+    against plain again, and stores the *confirmed* figure in checkpoints/fastest.json for
+    ``backend`` (choose on one run, report from another: the selection run's figures are kept
+    only under ``selection``).
+
+    Args:
+      results: see ``select``.
+      command: the command that produced ``results``.
+      confirm: ``confirm(key, row, results) -> dict`` with "speedup" (the worst prompt set's
+        {median, min, max, rounds}), "speedup_by_prompt_set", "prompt_set" (the worst),
+        "prompts", "max_new_tokens", "max_foreign_cpu", "identical_to_plain",
+        "mean_accepted_length", "date", "machine", "command" (``confirm_run`` is the real one).
+    Returns the entry written, or None when no configuration qualifies or the confirmation run
+    does not (changed output or foreign CPU > 10%)."""
+    results = [results] if isinstance(results, dict) else list(results)
+    chosen = select(results)
+    if chosen is None:
+        print("fastest: no configuration qualifies (shipped draft, identical output, foreign CPU "
+              "<= 10%, timed in every JSON): nothing written")
+        return None
+    best, row, medians, candidates = chosen
+    conf = confirm(best, row, results)
+    if not conf["identical_to_plain"] or conf["max_foreign_cpu"] is None \
+            or conf["max_foreign_cpu"] > 0.10:
+        print(f"fastest: the confirmation run of {best} does not qualify (identical "
+              f"{conf['identical_to_plain']}, foreign CPU {conf['max_foreign_cpu']}): nothing written")
+        return None
+    entry = dict(draft=best[0], method=row["method"], **_spec_of_label(row["k"]),
+                 speedup=conf["speedup"], mean_accepted_length=conf["mean_accepted_length"],
+                 beats_plain=conf["speedup"]["median"] > 1.0, prompt_set=conf["prompt_set"],
+                 prompts=conf["prompts"], max_new_tokens=conf["max_new_tokens"],
+                 max_foreign_cpu=conf["max_foreign_cpu"],
+                 speedup_by_prompt_set=conf["speedup_by_prompt_set"],
+                 confirmed=dict(median=conf["speedup"]["median"], min=conf["speedup"]["min"],
+                                max=conf["speedup"]["max"], rounds=conf["speedup"]["rounds"],
+                                date=conf["date"], command=conf["command"]),
+                 selection=dict(command=command, candidates=candidates,
+                                speedup_by_prompt_set=medians,
+                                dates=[r.get("date") for r in results]),
+                 date=conf["date"], machine=conf["machine"])
+    from specjax.provenance import git  # noqa: PLC0415
+    entry.update(git())  # commit, dirty
     path = shipped.write_fastest(entry, backend or jax.default_backend())
-    print(f"fastest: {entry['draft']} {row['k']} ({entry['method']}) "
-          f"{row['speedup']['median']:.2f}x (worst prompt set: {entry['prompt_set']}) -> {path}")
+    print(f"fastest: {entry['draft']} {row['k']} ({entry['method']}) chosen at "
+          f"{min(medians.values()):.2f}x, confirmed {conf['speedup']['median']:.2f}x "
+          f"[{conf['speedup']['min']:.2f}, {conf['speedup']['max']:.2f}] (worst prompt set: "
+          f"{entry['prompt_set']}) -> {path}")
     return entry
+
+
+def _load_target():
+    return sj.load_model("smollm2-135m"), sj.load_tokenizer("smollm2-135m")
+
+
+def confirm_run(rounds: int = 5, wait_idle: float = 0.0, target=None, tok=None):
+    """The real ``confirm`` of ``write_fastest``: a fresh interleaved run of plain vs the chosen
+    configuration on each prompt set of the selection (same prompts and lengths), ``rounds``
+    (>= 5) rounds."""
+    if rounds < 5:
+        raise ValueError(f"confirmation rounds must be >= 5, got {rounds}")
+
+    def confirm(key, row, results):
+        nonlocal target, tok
+        if target is None:
+            target, tok = _load_target()
+        path = shipped.path(key[0])  # a shipped draft (select keeps only those)
+        d = sj.load_draft(path, target)
+        spec = _spec_of_label(row["k"])
+        extra = dict(draft=d, method=row["method"], num_draft_tokens=spec["num_draft_tokens"])
+        if spec.get("tree"):
+            depth, top_k, nodes = spec["tree"]
+            extra["tree"] = TreeConfig(depth=depth, top_k=top_k, num_nodes=nodes)
+        if spec.get("hybrid_min"):
+            extra["hybrid_min"] = spec["hybrid_min"]
+        if spec.get("adaptive"):
+            extra.update(adaptive=True, adaptive_by=spec["adaptive_by"])
+        per, rows = {}, {}
+        for res in results:
+            name = res.get("prompt_set", "chat")
+            prompts = _prompts(tok, name, _per_set_count(res))
+            kw = dict(max_new_tokens=res["max_new_tokens"], eos_token_id=[])
+            out, _ = time_configs(target, prompts, {(path, row["k"]): (spec["num_draft_tokens"], extra)}, kw,
+                                  rounds=rounds, wait_idle=wait_idle)
+            rows[name] = out[0]
+            per[name] = out[0]["speedup"]
+        worst = min(per, key=lambda n: per[n]["median"])
+        return dict(speedup=per[worst], speedup_by_prompt_set={n: v["median"] for n, v in per.items()},
+                    prompt_set=worst, prompts=rows[worst]["prompts"],
+                    max_new_tokens=results[0]["max_new_tokens"],
+                    max_foreign_cpu=max((r["max_foreign_cpu"] or 0.0) for r in rows.values())
+                    if all(r["max_foreign_cpu"] is not None for r in rows.values()) else None,
+                    identical_to_plain=all(r["identical_to_plain"] for r in rows.values()),
+                    mean_accepted_length=rows[worst]["mean_accepted_length"],
+                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    machine=_machine(), command=f"bench_drafts.confirm_run(rounds={rounds})")
+    return confirm
+
+
+def _per_set_count(res) -> int:
+    """--prompts of a selection JSON (the broad set counts per domain)."""
+    return res.get("prompts_arg", res["prompts"])
+
+
+def _machine() -> dict:
+    return dict(timing.machine_info(), platform=platform.platform(),
+                devices=[str(d) for d in jax.devices()])
+
+
+def time_configs(target, prompts, configs: dict, kw: dict, rounds: int, wait_idle: float = 0.0):
+    """Plain decoding and every configuration, interleaved (specjax.timing.interleaved_rounds),
+    each pass every prompt once at batch 1. configs: {(draft, label): (k, generate kwargs)}.
+    Returns (rows, plain wall times)."""
+    def one_pass(extra):
+        return [sj.generate(target, [p], **kw, **extra) for p in prompts]
+
+    runs = {"plain": lambda: one_pass({})}
+    runs.update({c: (lambda c=c: one_pass(configs[c][1])) for c in configs})
+    res = timing.interleaved_rounds(runs, rounds=rounds, wait_idle_s=wait_idle)
+    plain = res["plain"]
+    want = [o.tokens[0] for o in plain["result"]]
+    rows = []
+    for (name, label), (_, extra) in configs.items():
+        r = res[(name, label)]
+        outs = r["result"]
+        merged = merge_outputs(outs).stats  # the definitions of api.acceptance_summary
+        rows.append(dict(
+            draft=name, method=extra["method"], k=label, prompts=len(prompts),
+            mean_accepted_length=merged["mean_accepted_length"],
+            acceptance_rate=merged["acceptance_rate"],
+            tokens_per_row_step=merged["tokens_per_row_step"],
+            speedup=timing.paired_speedup(plain["wall_s"], r["wall_s"]),
+            identical_to_plain=[o.tokens[0] for o in outs] == want,
+            wall_time_s=r["wall_s"], plain_wall_time_s=plain["wall_s"],
+            max_foreign_cpu=timing.max_foreign(plain, r),
+            per_position_acceptance=merged["per_position_acceptance"]))
+    return rows, plain["wall_s"]
 
 
 def main(argv=None):
@@ -149,20 +276,23 @@ def main(argv=None):
                          "the command is the one given with --fastest-command)")
     ap.add_argument("--fastest-command", default=None, help="with --fastest-from: the command "
                     "that produced the JSON")
+    ap.add_argument("--confirm-rounds", type=int, default=5,
+                    help="with --write-fastest / --fastest-from: rounds of the confirmation run "
+                         "(plain vs the chosen configuration, timed again after the choice; >= 5)")
     args = ap.parse_args(argv)
     if args.fastest_from:
         results = []
         for name in args.fastest_from.split(","):
             with open(name) as f:
                 results.append(json.load(f))
-        return 0 if write_fastest(results, args.fastest_command or f"(from {args.fastest_from})") else 1
+        return 0 if write_fastest(results, args.fastest_command or f"(from {args.fastest_from})",
+                                  confirm_run(args.confirm_rounds, args.wait_idle)) else 1
     if not 0 <= args.hybrid_min <= 3:  # the CLI's default ngram_max, which fastest.json assumes
         raise SystemExit(f"--hybrid-min must be in [0, 3], got {args.hybrid_min}")
     ks = [int(k) for k in args.ks.split(",") if k.strip()]
     confident = [int(k) for k in args.confident.split(",") if k.strip()]
 
-    target = sj.load_model("smollm2-135m")
-    tok = sj.load_tokenizer("smollm2-135m")
+    target, tok = _load_target()
     drafts = {}
     for path in args.drafts.split(","):
         if os.path.isdir(path):
@@ -192,46 +322,23 @@ def main(argv=None):
                 draft=d, method="eagle-tree",
                 tree=TreeConfig(depth=depth, top_k=top_k, num_nodes=nodes)))
 
-    def one_pass(extra):  # every prompt once, batch 1
-        return [sj.generate(target, [p], **kw, **extra) for p in prompts]
-
-    runs = {"plain": lambda: one_pass({})}
-    runs.update({c: (lambda c=c: one_pass(configs[c][1])) for c in configs})
-    res = timing.interleaved_rounds(runs, rounds=args.rounds, wait_idle_s=args.wait_idle)
-    plain = res["plain"]
-    want = [o.tokens[0] for o in plain["result"]]
-
-    rows = []
+    rows, plain_wall = time_configs(target, prompts, configs, kw, args.rounds, args.wait_idle)
     print(f"\n{len(prompts)} {args.prompt_set} prompts, {args.max_new_tokens} new tokens, greedy, "
           f"batch 1, {args.rounds} interleaved rounds; plain pass median "
-          f"{timing.spread(plain['wall_s'])['median']:.1f} s")
+          f"{timing.spread(plain_wall)['median']:.1f} s")
     print("| draft | method | k | mean accepted length | speedup over plain (median [min, max]) | "
           "identical to plain | max foreign CPU |")
     print("|---|---|---|---|---|---|---|")
-    for (name, label), (k, extra) in configs.items():
-        r = res[(name, label)]
-        outs = r["result"]
-        merged = merge_outputs(outs).stats  # the definitions of api.acceptance_summary
-        sp = timing.paired_speedup(plain["wall_s"], r["wall_s"])
-        fc = timing.max_foreign(plain, r)
-        row = dict(draft=name, method=extra["method"], k=label,
-                   mean_accepted_length=merged["mean_accepted_length"],
-                   acceptance_rate=merged["acceptance_rate"],
-                   tokens_per_row_step=merged["tokens_per_row_step"],
-                   speedup=sp, identical_to_plain=[o.tokens[0] for o in outs] == want,
-                   wall_time_s=r["wall_s"], plain_wall_time_s=plain["wall_s"], max_foreign_cpu=fc,
-                   per_position_acceptance=merged["per_position_acceptance"])
-        rows.append(row)
-        print(f"| {name} | {row['method']} | {label} | {row['mean_accepted_length']:.2f} | "
+    for row in rows:
+        sp, fc = row["speedup"], row["max_foreign_cpu"]
+        print(f"| {row['draft']} | {row['method']} | {row['k']} | {row['mean_accepted_length']:.2f} | "
               f"{sp['median']:.2f}x [{sp['min']:.2f}, {sp['max']:.2f}] | "
               f"{'yes' if row['identical_to_plain'] else 'NO'} | "
               f"{'?' if fc is None else f'{100 * fc:.0f}%'} |")
-    result = {"prompt_set": args.prompt_set, "prompts": len(prompts),
+    result = {"prompt_set": args.prompt_set, "prompts": len(prompts), "prompts_arg": args.prompts,
               "max_new_tokens": args.max_new_tokens, "ks": ks, "rounds": args.rounds,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "plain_wall_time_s": plain["wall_s"], "rows": rows,
-              "machine": dict(timing.machine_info(), platform=platform.platform(),
-                              devices=[str(d) for d in jax.devices()])}
+              "plain_wall_time_s": plain_wall, "rows": rows, "machine": _machine()}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     from specjax.provenance import with_provenance  # noqa: PLC0415
     with open(args.out, "w") as f:
@@ -241,7 +348,8 @@ def main(argv=None):
         import sys  # noqa: PLC0415
 
         write_fastest(result, "python benchmarks/bench_drafts.py " + " ".join(
-            sys.argv[1:] if argv is None else argv))
+            sys.argv[1:] if argv is None else argv),
+            confirm_run(args.confirm_rounds, args.wait_idle, target, tok))
     return 0
 
 

@@ -225,21 +225,48 @@ def test_measured_fastest_config_sets_the_defaults(tiny_dirs, tmp_path, monkeypa
                         row("checkpoints/smollm2-draft", "4", 1.9, same=False),
                         row("checkpoints/smollm2-draft", "1 hybrid 2", 1.8, foreign=0.5),
                         row("/elsewhere/my-draft", "1", 2.5)])
-    entry = bd.write_fastest(result, "cmd", backend=jax.default_backend())
+    timed = []
+
+    def confirm(key, row_, results, med=1.15, same=True, foreign=0.01):
+        """A stand-in for bench_drafts.confirm_run (timed on SmolLM2 elsewhere): a second run
+        that measures the chosen configuration a little lower than its selection run."""
+        timed.append(key)
+        sets = [r.get("prompt_set", "chat") for r in results]
+        return dict(speedup=dict(median=med, min=med - 0.1, max=med + 0.1, rounds=5),
+                    speedup_by_prompt_set={s: med for s in sets}, prompt_set=sets[0], prompts=4,
+                    max_new_tokens=8, max_foreign_cpu=foreign, identical_to_plain=same,
+                    mean_accepted_length=1.5, date="later", machine={}, command="confirm")
+    entry = bd.write_fastest(result, "cmd", confirm, backend=jax.default_backend())
     assert (entry["draft"], entry["num_draft_tokens"], entry["hybrid_min"]) == ("smollm2-draft", 3, 0)
-    assert shipped.fastest()["speedup"]["median"] == 1.2 and entry["beats_plain"]
+    assert timed == [("smollm2-draft", "draft", "3")]  # only the chosen one is timed again
+    # the figure stored is the confirmation run's, the selection run's is kept apart
+    assert shipped.fastest()["speedup"]["median"] == 1.15 and entry["beats_plain"]
+    assert entry["confirmed"]["median"] == 1.15 and entry["confirmed"]["rounds"] == 5
+    assert entry["selection"]["speedup_by_prompt_set"] == {"chat": 1.2}
+    assert entry["selection"]["candidates"] == 2 and "commit" in entry
+    # a confirmation run that changed the output or ran on a loaded machine writes nothing
+    assert bd.write_fastest(result, "cmd", lambda *a: confirm(*a, same=False)) is None
+    assert bd.write_fastest(result, "cmd", lambda *a: confirm(*a, foreign=0.5)) is None
+    with pytest.raises(ValueError, match="rounds"):
+        bd.confirm_run(rounds=3)
     assert bd._spec_of_label("tree 4/2/8") == dict(num_draft_tokens=4, tree=[4, 2, 8], hybrid_min=0)
     # several prompt sets: the best worst case wins (k=2: 1.1 / 1.05 beats k=3: 1.2 / 0.9), and a
     # configuration missing from one set (k=5) does not count
     demo = dict(result, prompt_set="demo", rows=[row("checkpoints/smollm2-draft", "3", 0.9),
                                                  row("checkpoints/smollm2-draft", "2", 1.05),
                                                  row("checkpoints/smollm2-draft", "5", 3.0)])
-    both = bd.write_fastest([result, demo], "cmd", backend=jax.default_backend())
-    assert both["num_draft_tokens"] == 2 and both["prompt_set"] == "demo"
-    assert both["speedup"]["median"] == 1.05
-    assert both["speedup_by_prompt_set"] == {"chat": 1.1, "demo": 1.05}
-    assert bd.write_fastest([result, dict(demo, rows=[])], "cmd") is None
-    entry = bd.write_fastest(result, "cmd", backend=jax.default_backend())  # back to chat only
+    both = bd.write_fastest([result, demo], "cmd", confirm, backend=jax.default_backend())
+    assert both["num_draft_tokens"] == 2
+    assert both["selection"]["speedup_by_prompt_set"] == {"chat": 1.1, "demo": 1.05}
+    assert set(both["speedup_by_prompt_set"]) == {"chat", "demo"}  # confirmed on both sets
+    assert bd.write_fastest([result, dict(demo, rows=[])], "cmd", confirm) is None
+    entry = bd.write_fastest(result, "cmd", confirm, backend=jax.default_backend())  # chat only
+    # the real confirmation run: plain vs the chosen row again, interleaved, >= 5 rounds
+    real = bd.confirm_run(5, target=sj.load_model(target), tok=sj.load_tokenizer("smollm2-135m"))(
+        ("smollm2-draft", "draft", "2"), result["rows"][1],
+        [dict(result, prompt_set="chat", prompts_arg=1, max_new_tokens=4)])
+    assert real["identical_to_plain"] and real["speedup"]["rounds"] == 5
+    assert real["prompt_set"] == "chat" and real["prompts"] == 1 and real["speedup"]["min"] <= real["speedup"]["median"]
     capsys.readouterr()
 
     base = ["generate", "--model", target, "--tokenizer", "smollm2-135m", "--prompt", "Hello",
