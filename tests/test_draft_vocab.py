@@ -75,13 +75,14 @@ def test_distribution_matches_target_with_reduced_vocab(dist_target, draft_sampl
     """Drafts come from 4 of the 6 tokens; the output is still distributed as the target's own
     sampler (chi-square at ALPHA over all 6^3 continuations)."""
     head = set_draft_vocab(_head(dist_target, "mtp", seed=5, scale=1.0), np.array([0, 1, 3, 4]))
-    out = sj.generate(dist_target, [PROMPT] * N_ROWS, max_new_tokens=3, draft=head, method="mtp",
+    out = sj.generate(dist_target, [PROMPT] * N_ROWS, max_new_tokens=4, draft=head, method="mtp",
                       num_draft_tokens=2, temperature=0.8, top_p=0.95, eos_token_id=[],
-                      draft_sampling=draft_sampling)
+                      draft_sampling=draft_sampling)  # 4 tokens: the bonus after 2 accepted
     toks = np.array(out.tokens)
     assert 0.01 < out.stats["acceptance_rate"] < 0.99
-    cells = toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2]
-    assert _chi2_pvalue(cells, _exact_joint(dist_target, 0.8, 0, 0.95)) > ALPHA
+    assert out.stats["per_position_acceptance"][-1] > 0.01  # bonus after full acceptance sampled
+    cells = ((toks[:, 0] * V + toks[:, 1]) * V + toks[:, 2]) * V + toks[:, 3]
+    assert _chi2_pvalue(cells, _exact_joint(dist_target, 0.8, 0, 0.95, n=4)) > ALPHA
 
 
 def test_save_load_keeps_the_vocab(target, tmp_path):

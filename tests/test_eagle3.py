@@ -25,7 +25,7 @@ from specjax.io import heads_io
 from specjax.tree import TreeConfig
 from tests.conftest import tiny_model
 from tests.test_api import _HOST_OPS, _lowered_generate
-from tests.test_speculative import ALPHA, N_ROWS, PROMPT, V, _chi2_pvalue, _exact_joint
+from tests.test_speculative import ALPHA, N_ROWS, PROMPT, V, _chi2_pvalue, _exact_joint, cells_of
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -397,17 +397,18 @@ def dist_head():
 
 
 def _first3(target, head, **kw):
-    out = sj.generate(target, [PROMPT] * N_ROWS, max_new_tokens=3, draft=head, method="eagle3",
+    """k + 2 = 4 tokens per row (first token, a fully accepted step, its bonus)."""
+    out = sj.generate(target, [PROMPT] * N_ROWS, max_new_tokens=4, draft=head, method="eagle3",
                       num_draft_tokens=2, temperature=1.0, eos_token_id=[], **kw)
-    toks = np.array(out.tokens)
-    return toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], out
+    return cells_of(out.tokens, V), out
 
 
 def test_sampled_eagle3_follows_the_target_distribution(dist_head):
     target, head = dist_head
     cells, out = _first3(target, head, draft_sampling=True)
     assert 0.01 < out.stats["acceptance_rate"] < 0.99
-    assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0)) > ALPHA
+    assert out.stats["per_position_acceptance"][-1] > 0.01  # bonus after full acceptance sampled
+    assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0, n=4)) > ALPHA
 
 
 @pytest.mark.slow
@@ -424,4 +425,4 @@ def test_biased_acceptance_fails_with_an_eagle3_head(dist_head, monkeypatch):
     finally:
         monkeypatch.undo()
         jax.clear_caches()
-    assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0)) < ALPHA
+    assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0, n=4)) < ALPHA

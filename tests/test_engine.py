@@ -501,12 +501,13 @@ def test_sampled_requests_follow_the_target_distribution(method):
     engine = Engine(target, draft, EngineConfig(
         SpecConfig(method=method, num_draft_tokens=2, page_size=4), max_slots=64,
         batch_buckets=(64,), token_buckets=(8,), max_model_len=16))
-    params = [RequestParams(max_tokens=3, temperature=1.0, seed=i, stop_token_ids=())
-              for i in range(N_ROWS)]
+    params = [RequestParams(max_tokens=4, temperature=1.0, seed=i, stop_token_ids=())
+              for i in range(N_ROWS)]  # 4 tokens: first, a fully accepted step, its bonus
     handles = [engine.submit(PROMPT, p) for p in params]
     engine.run()
     toks = np.array([h.result() for h in handles])
-    cells = toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2]
+    cells = ((toks[:, 0] * V + toks[:, 1]) * V + toks[:, 2]) * V + toks[:, 3]
     stats = engine.stats()
     assert 0.01 < stats["acceptance_rate"] < 0.99  # accept and residual paths both exercised
-    assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0)) > ALPHA
+    assert stats["per_position_acceptance"][-1] > 0.01  # bonus after full acceptance sampled
+    assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0, n=4)) > ALPHA

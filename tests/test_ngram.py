@@ -14,7 +14,7 @@ import specjax as sj
 from specjax import acceptance, adaptive, cost_model, ngram, speculate
 from specjax.heads import Head, HeadConfig, init_head
 from tests.test_speculative import (ALPHA, N_ROWS, PROMPT, PROMPTS, V, _biased_residual,
-                                    _chi2_pvalue, _eos_for_staggered_stops, _exact_joint)
+                                    _chi2_pvalue, _eos_for_staggered_stops, _exact_joint, cells_of)
 
 K = 3
 
@@ -267,17 +267,18 @@ def dist_pair():
 
 
 def _first3(target, **kw):
-    out = sj.generate(target, [PROMPT] * N_ROWS, max_new_tokens=3, num_draft_tokens=2,
+    """k + 2 = 4 tokens per row (first token, a fully accepted step, its bonus)."""
+    out = sj.generate(target, [PROMPT] * N_ROWS, max_new_tokens=4, num_draft_tokens=2,
                       temperature=1.0, eos_token_id=[], **kw)
-    toks = np.array(out.tokens)
-    return toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], out
+    return cells_of(out.tokens, V), out
 
 
 def test_ngram_distribution_matches_target(dist_pair):
     target, _ = dist_pair
     cells, out = _first3(target, method="ngram")
     assert 0.05 < out.stats["acceptance_rate"] < 0.95
-    assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0)) > ALPHA
+    assert out.stats["per_position_acceptance"][-1] > 0.01  # bonus after full acceptance sampled
+    assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0, n=4)) > ALPHA
 
 
 @pytest.mark.slow  # test_speculative's negative control covers the same rule on the default run
@@ -291,7 +292,7 @@ def test_ngram_biased_rule_fails_distribution_test(dist_pair, monkeypatch):
     finally:
         monkeypatch.undo()
         jax.clear_caches()
-    assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0)) < ALPHA
+    assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0, n=4)) < ALPHA
 
 
 @pytest.mark.parametrize("by", ["history", "confidence"])
@@ -300,7 +301,8 @@ def test_adaptive_distribution_matches_target(dist_pair, fixed_costs, by):
     cells, out = _first3(target, method="draft", draft=draft, adaptive=True, draft_sampling=True,
                          hybrid_min=1, adaptive_by=by)
     assert out.stats["k_histogram"][2] > 0
-    assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0)) > ALPHA
+    assert out.stats["per_position_acceptance"][-1] > 0.01  # bonus after full acceptance sampled
+    assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0, n=4)) > ALPHA
 
 
 # ----------------------------------------------------------------------- adaptive choice
