@@ -14,6 +14,7 @@ import numpy as np
 
 from specjax import (cost_model, dflash, heads, kv_cache, native, options, registry, request,
                      sharding, speculate)
+from specjax.stats import acceptance_summary
 from specjax.dflash import DFlashHead
 from specjax.io import checkpoint, dflash_io, families, gguf, heads_io
 from specjax.heads import Head, cast_floats
@@ -311,43 +312,10 @@ class GenerateOutput:
     texts: list | None = None  # decoded text per prompt when a tokenizer was available
 
 
-def acceptance_summary(counts: dict, acc_pos, num_rows: int) -> dict:
-    """The derived speculation figures, defined once (vLLM's definitions; the engine's
-    ``EngineMetrics`` and the server's per-request numbers use the same):
-
-    * ``acceptance_rate`` = accepted / drafted: drafted counts every draft token the target
-      verified (a tree: every node), so it means the same for chains, trees, n-gram and block
-      drafters;
-    * ``mean_accepted_length`` = 1 + accepted / speculative steps (tokens a step that verified
-      drafts yields; a step cut by EOS / max_new_tokens counts its emitted drafts only);
-    * ``per_position_acceptance`` [K] = steps that accepted draft i / speculative steps;
-    * ``plain_steps`` = row-steps that verified no draft (an n-gram row without a match, an
-      adaptive k = 0 step), reported apart; ``tokens_per_row_step`` = tokens after each row's
-      first (prefill) one / all row-steps (what the wall clock sees).
-
-    Args:
-      counts: ``accepted_tokens``, ``drafted_tokens``, ``speculative_steps``, ``row_steps``,
-        ``generated_tokens``.
-      acc_pos: float [K] (or None when nothing is drafted): speculative steps that accepted
-        draft i.
-      num_rows: rows (each has one token from its prefill).
-    """
-    nan = float("nan")
-    spec, rows, drafted = counts["speculative_steps"], counts["row_steps"], counts["drafted_tokens"]
-    return {
-        "acceptance_rate": counts["accepted_tokens"] / drafted if drafted else nan,
-        "mean_accepted_length": 1 + counts["accepted_tokens"] / spec if spec else nan,
-        "per_position_acceptance": ([] if acc_pos is None else
-                                    (np.asarray(acc_pos, np.float64) / max(spec, 1)).tolist()),
-        "plain_steps": rows - spec,
-        "tokens_per_row_step": (counts["generated_tokens"] - num_rows) / rows if rows else nan,
-    }
-
-
 def merge_outputs(outputs: list) -> GenerateOutput:
     """Several ``generate`` calls (e.g. one prompt each, batch 1) as one output: tokens and texts
     concatenated; counts, wall time and the k histogram summed; the derived figures
-    (``acceptance_summary``) recomputed from the sums (so they equal what one batched call over
+    (``specjax.stats.acceptance_summary``) recomputed from the sums (so they equal what one batched call over
     the same rows would report for the same accepted drafts)."""
     if not outputs:
         raise ValueError("merge_outputs needs at least one GenerateOutput")
@@ -448,7 +416,7 @@ def generate(target: Model, prompts, max_new_tokens: int = 64, draft=None, metho
     Returns:
       GenerateOutput with .tokens (list[list[int]]) and .stats (counts: accepted_tokens,
       drafted_tokens, speculative_steps, row_steps, steps, generated_tokens; derived, defined in
-      ``acceptance_summary``: acceptance_rate, mean_accepted_length, per_position_acceptance,
+      ``specjax.stats.acceptance_summary``: acceptance_rate, mean_accepted_length, per_position_acceptance,
       plain_steps, tokens_per_row_step; tokens_per_second, ...), counted from the tokens
       actually returned.
       wall_time_s / tokens_per_second cover the whole call, so the first call with new shapes

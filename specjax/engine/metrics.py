@@ -9,7 +9,7 @@ Counters and histograms are plain Python (host side, updated when a step's resul
   ``spec_decode_num_accepted_tokens``, ``spec_decode_num_accepted_tokens_per_pos``,
   ``spec_decode_num_emitted_tokens``, all counted from the tokens a request actually received
   (accepted drafts cut by its stop or max_tokens do not count); derived, with the definitions
-  of ``specjax.api.acceptance_summary`` (the same in ``sj.generate``, here and per request):
+  of ``specjax.stats.acceptance_summary`` (the same in ``sj.generate``, here and per request):
   ``acceptance_rate`` = accepted / draft tokens, ``mean_accepted_length`` (SGLang
   ``spec_accept_length``) = 1 + accepted / drafts (vLLM's mean acceptance length), and
   ``per_position_acceptance`` [K] = accepted at position i / drafts. Steps that proposed no
