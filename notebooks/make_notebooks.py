@@ -156,7 +156,9 @@ print("draft_logits", dl.shape, f"top-1 agreement with the target on the prompt:
 def nb02():
     return [
         new_markdown_cell("# 02 — Train a head, watch accuracy and acceptance\n\n"
-                          "Part 1 reads the best-accepting shipped EAGLE-3 head: its training "
+                          "Part 1 reads the CPU-trained shipped EAGLE-3 head smollm2-eagle3-broad47-r1 "
+                          "(the starting point of the best head, broad74-gpu, its GPU fine-tune, "
+                          "whose run has no logged curve here): its training "
                           "log, its held-out top-1, and its mean accepted length per domain on "
                           "held-out broad prompts, next to the first MTP head's log. "
                           "Part 2 trains a fresh MTP head live on a small self-distilled set and "
@@ -167,7 +169,7 @@ def nb02():
     with open(path) as f:
         return [json.loads(l) for l in f if l.strip()]
 
-HEAD = "smollm2-eagle3-broad47-r1"   # the best-accepting shipped EAGLE-3 head (checkpoints/README.md)
+HEAD = "smollm2-eagle3-broad47-r1"   # CPU-trained, with a logged run; broad74-gpu (the best) is its GPU fine-tune
 report = json.load(open(os.path.join(ROOT, "checkpoints", HEAD, "report.json")))
 logs = {f"{HEAD} (fine-tune on {report['train_answer_tokens']:,} new answer tokens)":
             read_log(os.path.join(ROOT, "notebooks/data", f"{HEAD}.log.jsonl")),
@@ -286,6 +288,7 @@ def nb03():
         new_code_cell(TINY_TARGET + '''
 
 from specjax import shipped, timing
+from specjax.api import merge_outputs
 from specjax.cost_model import time_forward
 from specjax.train.corpora import chat_prompts
 
@@ -321,7 +324,7 @@ want = [o.tokens for o in timed["plain"]["result"]]
 rows = []
 for k in KS:
     outs = timed[k]["result"]
-    steps = np.array([o.stats["row_steps"] for o in outs], float)
+    steps = np.array([o.stats["speculative_steps"] for o in outs], float)  # per_position_acceptance is per speculative step
     per_pos = (np.array([o.stats["per_position_acceptance"] for o in outs]) * steps[:, None]).sum(0) / steps.sum()
     sp = timing.paired_speedup(timed["plain"]["wall_s"], timed[k]["wall_s"])
     rows.append(dict(k=k, speedup=sp["median"], spread=(sp["min"], sp["max"]),
@@ -331,8 +334,7 @@ for k in KS:
           f"{rows[-1]['mal']:.2f}, per position {np.round(per_pos, 2)}, identical to plain: {rows[-1]['identical']}")
 if "fastest" in timed:
     outs, sp = timed["fastest"]["result"], timing.paired_speedup(timed["plain"]["wall_s"], timed["fastest"]["wall_s"])
-    steps = sum(o.stats["row_steps"] for o in outs)
-    mal = sum(o.stats["mean_accepted_length"] * o.stats["row_steps"] for o in outs) / steps
+    mal = merge_outputs(outs).stats["mean_accepted_length"]
     print(f"fastest.json's k={best[0]} + n-gram hybrid (min {best[1]}): speedup {sp['median']:.2f}x "
           f"[{sp['min']:.2f}..{sp['max']:.2f}], mean accepted length {mal:.2f}, identical to plain: "
           f"{[o.tokens for o in outs] == want}")
@@ -364,9 +366,9 @@ ax[2].set(xlabel="k", ylabel="tokens per target step", title="i.i.d. model"); ax
 plt.tight_layout(); plt.show()
 print("alpha (i.i.d. estimate) per k:", np.round(alphas, 3))'''),
         new_markdown_cell("On a CPU a (k+1)-token verify costs more than a one-token decode "
-                          "(the cell above prints the ratio; specjax.native's few-row matmul "
-                          "streams each weight once for all rows, so it stays near 1.0-1.2x for "
-                          "k <= 3), and each draft step costs a head forward; the speedup is about "
+                          "(the cell above prints the ratio measured here; specjax.native's few-row "
+                          "matmul streams each weight once for all rows, so it stays far below "
+                          "k + 1, though above 1), and each draft step costs a head forward; the speedup is about "
                           "the mean accepted length over (verify + draft) cost, and the acceptance "
                           "per position shows where the chain breaks. On a GPU the verify is "
                           "nearly free and the same acceptance curve turns into speedup "
