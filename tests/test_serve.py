@@ -474,6 +474,27 @@ def test_adaptive_flag_reaches_the_spec_config():
 # ------------------------------------------------------------------------------ real model
 
 
+def test_serve_flags_reach_the_engine_config():
+    """--enable-prefix-caching and --num-speculative-tokens-per-batch-size (vLLM's table) reach
+    EngineConfig; a malformed table is a usage error (exit 2) before anything loads."""
+    from specjax.cli import build_parser, main  # noqa: PLC0415
+    from specjax.serve.app import make_engine_config  # noqa: PLC0415
+
+    args = build_parser().parse_args(["serve", "--enable-prefix-caching",
+                                      "--num-speculative-tokens-per-batch-size",
+                                      "[[1, 4, 2], [5, 8, 0]]"])
+    assert args.enable_prefix_caching
+    assert args.num_speculative_tokens_per_batch_size == ((1, 4, 2), (5, 8, 0))
+    cfg = make_engine_config(method="draft", num_draft_tokens=2, enable_prefix_caching=True,
+                             num_speculative_tokens_per_batch_size=((1, 4, 2), (5, 8, 0)))
+    assert cfg.enable_prefix_caching and cfg.num_speculative_tokens_per_batch_size == ((1, 4, 2), (5, 8, 0))
+    assert not build_parser().parse_args(["serve"]).enable_prefix_caching
+    for bad in ("[[1, 4]]", "not json", "[[1, 4, 2.5]]"):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--num-speculative-tokens-per-batch-size", bad])
+        assert e.value.code == 2
+
+
 @pytest.mark.slow
 def test_smollm2_with_shipped_head(tmp_path):
     """SmolLM2-135M + the shipped MTP head: chat, streamed and not, equals sj.generate greedy."""

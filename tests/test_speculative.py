@@ -36,7 +36,7 @@ def check_stats_agree(out, num_prompts):
     """Acceptance stats agree with the tokens returned: tokens after each row's first (prefill)
     token are exactly tokens_per_row_step * row_steps; each row-step emits its accepted drafts
     plus one token, except a row's last step, which EOS / max_new may cut; mean_accepted_length
-    is vLLM's 1 + accepted / speculative steps (api.acceptance_summary)."""
+    is vLLM's 1 + accepted / speculative steps (stats.acceptance_summary)."""
     s = out.stats
     after_first = sum(len(t) for t in out.tokens) - num_prompts
     assert s["tokens_per_row_step"] * s["row_steps"] == pytest.approx(after_first)

@@ -30,11 +30,28 @@ def add_parser(sub) -> None:
                     help="static batch sizes (default: powers of two up to --max-slots)")
     sv.add_argument("--token-buckets", default="16,64", metavar="T1,T2,..",
                     help="prefill chunk widths (default: %(default)s)")
+    sv.add_argument("--enable-prefix-caching", action="store_true",
+                    help="share full KV pages of repeated prompt prefixes across requests "
+                         "(content-hashed, reference-counted, LRU-evicted; vLLM's flag)")
+    sv.add_argument("--num-speculative-tokens-per-batch-size", type=_k_table, default=None,
+                    metavar="JSON", help="draft length by batch size, vLLM's table: e.g. "
+                    "'[[1, 4, 3], [5, 8, 1]]' (batch sizes lo..hi draft k; 0 = plain); rows cover "
+                    "1..--max-slots, k <= -k")
     sv.add_argument("--seed", type=int, default=0, help="seeds requests sent without a seed")
     sv.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="do not compile every step variant before serving")
     sv.add_argument("--log-level", default="info", help="uvicorn log level")
     sv.set_defaults(run=run)
+
+
+def _k_table(text: str):
+    import argparse  # noqa: PLC0415
+
+    from specjax.engine.config import parse_spec_tokens_per_batch_size  # noqa: PLC0415
+    try:
+        return parse_spec_tokens_per_batch_size(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _ints(text: str | None):
@@ -50,7 +67,8 @@ def run(args) -> int:
         **loaded.options, recommended=loaded.rec, max_slots=args.max_slots,
         max_model_len=args.max_model_len, num_pages=args.num_pages,
         batch_buckets=_ints(args.batch_buckets), token_buckets=_ints(args.token_buckets),
-        seed=args.seed)
+        seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
+        num_speculative_tokens_per_batch_size=args.num_speculative_tokens_per_batch_size)
     engine = Engine(loaded.target, loaded.draft, config)
     serve_app.compile_counter()  # count from here: /health reports warm-up compiles too
     if args.warmup:

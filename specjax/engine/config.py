@@ -30,7 +30,7 @@ class RequestParams:
 
 
 def parse_spec_tokens_per_batch_size(text: str) -> tuple:
-    """Parses ``specjax serve --spec-tokens-per-batch-size`` (a JSON list like vLLM's
+    """Parses ``specjax serve --num-speculative-tokens-per-batch-size`` (a JSON list like vLLM's
     ``[[1, 8, 3], [9, 16, 1], [17, 64, 0]]``: batch sizes lo..hi draft k tokens, 0 = plain) into
     EngineConfig's ``num_speculative_tokens_per_batch_size``; the Engine validates the ranges."""
     import json  # noqa: PLC0415

@@ -57,6 +57,8 @@ def compile_counter() -> CompileCounter:
 def make_engine_config(*, max_slots: int = 8, max_model_len: int = 2048,
                        num_pages: int | None = None, batch_buckets: tuple | None = None,
                        token_buckets: tuple = (16, 64), seed: int = 0,
+                       enable_prefix_caching: bool = False,
+                       num_speculative_tokens_per_batch_size=None,
                        recommended: dict | None = None, **spec_options) -> EngineConfig:
     """The one place the server builds an EngineConfig (its SpecConfig and capacity settings).
 
@@ -71,7 +73,9 @@ def make_engine_config(*, max_slots: int = 8, max_model_len: int = 2048,
     spec = spec_from_options(spec_options, recommended)
     return EngineConfig(spec=spec, max_slots=max_slots, max_model_len=max_model_len,
                         num_pages=num_pages, batch_buckets=batch_buckets,
-                        token_buckets=tuple(token_buckets), seed=seed)
+                        token_buckets=tuple(token_buckets), seed=seed,
+                        enable_prefix_caching=enable_prefix_caching,
+                        num_speculative_tokens_per_batch_size=num_speculative_tokens_per_batch_size)
 
 
 # ---------------------------------------------------------------------------------- text
