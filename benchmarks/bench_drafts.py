@@ -231,7 +231,7 @@ def time_configs(target, prompts, configs: dict, kw: dict, rounds: int, wait_idl
     for (name, label), (_, extra) in configs.items():
         r = res[(name, label)]
         outs = r["result"]
-        merged = merge_outputs(outs).stats  # the definitions of api.acceptance_summary
+        merged = merge_outputs(outs).stats  # the definitions of stats.acceptance_summary
         rows.append(dict(
             draft=name, method=extra["method"], k=label, prompts=len(prompts),
             mean_accepted_length=merged["mean_accepted_length"],

@@ -10,7 +10,18 @@ chunk, as in vLLM), TPOT = (e2e - TTFT) / (tokens - 1) and e2e latency. Reported
 rate: request and output-token throughput, mean / p50 / p90 / p99 of TTFT, ITL, TPOT and e2e,
 and the server's mean accepted length (``/stats``).
 
+Workloads and modes (vLLM users' daily ones): ``--workload shared-prefix`` puts one long system
+prompt (~1,500 characters) before every request, so ``--prefix-cache on`` (the server's
+``--enable-prefix-caching``) can reuse its pages (the server's prefix-cache hit rate is reported);
+``--structured-frac F`` gives that fraction of requests ``response_format: json_object`` (mixed
+with free ones; each structured answer must parse as JSON); ``--disconnect-frac F`` makes that
+fraction of clients drop their stream after 1-5 chunks. After each run the client waits for the
+server to go idle and checks that every request that did not disconnect completed ("lost" counts
+those that did not) and that no KV page stays in use ("pages in use after").
+
     python benchmarks/bench_serve.py --tiny --rates 4,inf --num-prompts 16      # seconds, CPU
+    python benchmarks/bench_serve.py --tiny --workload shared-prefix --prefix-cache off,on \
+        --structured-frac 0.25 --disconnect-frac 0.2 --rates inf --num-prompts 64 --max-slots 8
     python benchmarks/bench_serve.py --draft checkpoints/smollm2-mtp-v8k --method mtp -k 1 \\
         --rates 1,4,16,inf --num-prompts 64 --json benchmarks/results/serve.json
 
@@ -77,7 +88,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, spec: bool, log_path: str):
+SYSTEM = ("You are a careful assistant for a public library. Answer in plain English, in short "
+          "paragraphs, without lists unless the user asks for one. When a question is about a "
+          "book, name its author and the year it was first published if you know them; when you "
+          "do not know, say so instead of guessing. Keep a friendly tone, avoid jargon, and "
+          "explain any technical word you must use. If a question is ambiguous, answer the most "
+          "likely reading and mention the other briefly. Never invent quotations, page numbers "
+          "or catalogue identifiers. For questions about opening hours, borrowing rules or fees, "
+          "tell the user to check the front desk, because these change during the year. For "
+          "homework questions, explain the idea and give a small example rather than the final "
+          "answer. Stay polite when the user is rude, and keep answers under two hundred words "
+          "unless the user asks for more detail. Remember that many readers are children, so "
+          "avoid frightening details, and suggest a related book when it fits the conversation.")
+
+
+def start_server(args, spec: bool, log_path: str, cache: bool = False):
     import httpx  # noqa: PLC0415
 
     port = free_port()
@@ -89,6 +114,8 @@ def start_server(args, spec: bool, log_path: str):
         cmd += ["--tokenizer", args.tokenizer]
     if args.batch_buckets:
         cmd += ["--batch-buckets", args.batch_buckets]
+    if cache:
+        cmd += ["--enable-prefix-caching"]
     if spec:
         cmd += ["--method", args.method, "-k", str(args.k)] + (["--draft", args.draft] if args.draft else [])
     else:
@@ -110,19 +137,25 @@ def start_server(args, spec: bool, log_path: str):
         raise RuntimeError(f"server did not start: {' '.join(cmd)}\n{f.read()[-3000:]}")
 
 
-async def one_request(client, url: str, prompt: str, max_tokens: int, chat: bool) -> dict:
-    body = {"model": "bench", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def one_request(client, url: str, prompt: str, max_tokens: int, chat: bool,
+                      system: str | None = None, structured: bool = False,
+                      drop_after: int | None = None) -> dict:
+    """One streamed request; ``drop_after``: close the stream after that many text chunks."""
+    body = {"model": "bench", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": not structured, "stream": True, "stream_options": {"include_usage": True}}
+    if structured:
+        body["response_format"] = {"type": "json_object"}
     if chat:
-        body["messages"] = [{"role": "user", "content": prompt}]
+        body["messages"] = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}]
     else:
-        body["prompt"] = prompt
+        body["prompt"] = (system + "\n\n" if system else "") + prompt
     path = "/v1/chat/completions" if chat else "/v1/completions"
     t0 = time.perf_counter()
-    ttft, last, itl, tokens, ok = None, None, [], 0, False
+    ttft, last, itl, tokens, ok, chunks, text_all = None, None, [], 0, False, 0, []
     async with client.stream("POST", url + path, json=body) as r:
         if r.status_code != 200:
-            return {"ok": False, "status": r.status_code}
+            return {"ok": False, "status": r.status_code, "dropped": False}
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -145,9 +178,20 @@ async def one_request(client, url: str, prompt: str, max_tokens: int, chat: bool
             else:
                 itl.append(now - last)
             last = now
+            chunks += 1
+            text_all.append(text)
+            if drop_after is not None and chunks >= drop_after:
+                return {"ok": False, "dropped": True}  # leaving the block closes the stream
     e2e = time.perf_counter() - t0
-    return {"ok": ok, "ttft": ttft, "itl": itl, "e2e": e2e, "tokens": tokens,
-            "tpot": (e2e - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None}
+    out = {"ok": ok, "dropped": False, "ttft": ttft, "itl": itl, "e2e": e2e, "tokens": tokens,
+           "tpot": (e2e - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None}
+    if structured:
+        try:
+            json.loads("".join(text_all))
+            out["valid_json"] = True
+        except ValueError:
+            out["valid_json"] = False
+    return out
 
 
 async def run_rate(url: str, prompts: list, rate: float, args) -> dict:
@@ -158,14 +202,20 @@ async def run_rate(url: str, prompts: list, rate: float, args) -> dict:
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         tasks = []
         t0 = time.perf_counter()
+        system = SYSTEM if args.workload == "shared-prefix" else None
         for i in range(args.num_prompts):
+            structured = bool(rng.random() < args.structured_frac)
+            drop = int(rng.integers(1, 6)) if rng.random() < args.disconnect_frac else None
             tasks.append(asyncio.create_task(one_request(
-                client, url, prompts[i % len(prompts)], args.max_tokens, args.chat)))
+                client, url, prompts[i % len(prompts)], args.max_tokens, args.chat, system,
+                structured, drop)))
             if np.isfinite(rate):
                 await asyncio.sleep(float(rng.exponential(1.0 / rate)))
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
     done = [r for r in results if r["ok"]]
+    dropped = sum(r["dropped"] for r in results)
+    structured = [r for r in done if "valid_json" in r]
 
     def pct(values):
         a = np.asarray([v for v in values if v is not None], np.float64) * 1000
@@ -175,21 +225,38 @@ async def run_rate(url: str, prompts: list, rate: float, args) -> dict:
                 "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
 
     out_tokens = sum(r["tokens"] for r in done)
-    return {"rate": rate, "completed": len(done), "failed": len(results) - len(done),
+    return {"rate": rate, "completed": len(done), "dropped": dropped,
+            "lost": len(results) - len(done) - dropped,
+            "structured": len(structured),
+            "structured_valid_json": sum(r["valid_json"] for r in structured),
             "wall_s": wall, "request_throughput": len(done) / wall,
             "output_tokens_per_s": out_tokens / wall, "ttft_ms": pct(r["ttft"] for r in done),
             "itl_ms": pct(x for r in done for x in r["itl"]), "tpot_ms": pct(r["tpot"] for r in done),
             "e2e_ms": pct(r["e2e"] for r in done)}
 
 
-def bench_mode(args, spec: bool, prompts: list, workdir: str) -> dict:
+def _idle_stats(url: str, timeout: float = 120.0) -> dict:
+    """/stats once the server runs no request (aborted ones are released at the next step)."""
+    import httpx  # noqa: PLC0415
+
+    deadline = time.time() + timeout
+    while True:
+        st = httpx.get(url + "/stats", timeout=30).json()
+        if (st["num_requests_running"] == 0 and st["num_requests_waiting"] == 0) \
+                or time.time() > deadline:
+            return st
+        time.sleep(0.2)
+
+
+def bench_mode(args, spec: bool, prompts: list, workdir: str, cache: bool = False) -> dict:
     import httpx  # noqa: PLC0415
 
     proc = None
     if args.base_url:
         url = args.base_url.rstrip("/")
     else:
-        proc, url = start_server(args, spec, os.path.join(workdir, f"server-{int(spec)}.log"))
+        proc, url = start_server(args, spec, os.path.join(workdir, f"server-{int(spec)}{int(cache)}.log"),
+                                 cache)
     try:
         asyncio.run(run_rate(url, prompts[:2], float("inf"),
                              argparse.Namespace(**{**vars(args), "num_prompts": 2})))  # warm path
@@ -199,7 +266,11 @@ def bench_mode(args, spec: bool, prompts: list, workdir: str) -> dict:
             with Timer(own_pids=() if proc is None else (proc.pid,)) as timer:
                 row = asyncio.run(run_rate(url, prompts, rate, args))
             row["foreign_cpu"] = timer.foreign  # CPU share used by processes other than ours
-            after = httpx.get(url + "/stats", timeout=30).json()
+            after = _idle_stats(url)
+            row["pages_in_use_after"] = after.get("kv_cache_usage_perc")
+            q = after.get("prefix_cache_queries", 0) - before.get("prefix_cache_queries", 0)
+            h = after.get("prefix_cache_hits", 0) - before.get("prefix_cache_hits", 0)
+            row["prefix_cache_hit_rate"] = h / q if q else None
             d = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
             a = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
             row["mean_accepted_length"] = 1 + a / d if d else None
@@ -208,9 +279,12 @@ def bench_mode(args, spec: bool, prompts: list, workdir: str) -> dict:
                   f"{row['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
                   f"{(row['ttft_ms'] or {}).get('p50', float('nan')):.1f} ms, ITL p50 "
                   f"{(row['itl_ms'] or {}).get('p50', float('nan')):.1f} ms, "
-                  f"accepted length {row['mean_accepted_length']}, foreign CPU "
-                  f"{row['foreign_cpu']}", file=sys.stderr, flush=True)
-        return {"spec": spec, "method": args.method if spec else "none", "rows": rows}
+                  f"accepted length {row['mean_accepted_length']}, prefix hits "
+                  f"{row['prefix_cache_hit_rate']}, lost {row['lost']}, pages in use after "
+                  f"{row['pages_in_use_after']}, foreign CPU {row['foreign_cpu']}",
+                  file=sys.stderr, flush=True)
+        return {"spec": spec, "cache": cache, "method": args.method if spec else "none",
+                "rows": rows}
     finally:
         if proc is not None:
             proc.terminate()
@@ -218,19 +292,24 @@ def bench_mode(args, spec: bool, prompts: list, workdir: str) -> dict:
 
 
 def table(results: list) -> str:
-    lines = ["| mode | rate (req/s) | done | req/s | out tok/s | TTFT p50 / p99 ms | "
-             "ITL p50 / p99 ms | TPOT p50 ms | accepted len | foreign CPU |", "|" + "---|" * 10]
+    lines = ["| mode | prefix cache (hit rate) | rate (req/s) | done / dropped / lost | "
+             "JSON valid | req/s | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 ms | "
+             "accepted len | pages in use after | foreign CPU |", "|" + "---|" * 13]
     for res in results:
         for r in res["rows"]:
             def p(key, q):
                 return f"{r[key][q]:.1f}" if r[key] else "-"
             acc = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] else "-"
             fc = "-" if r.get("foreign_cpu") is None else f"{100 * r['foreign_cpu']:.0f}%"
-            lines.append(f"| {res['method']} | {r['rate']} | {r['completed']} | "
+            hit = r.get("prefix_cache_hit_rate")
+            cache = ("on" if res.get("cache") else "off") + ("" if hit is None else f" ({hit:.2f})")
+            js = f"{r['structured_valid_json']}/{r['structured']}" if r["structured"] else "-"
+            lines.append(f"| {res['method']} | {cache} | {r['rate']} | "
+                         f"{r['completed']} / {r['dropped']} / {r['lost']} | {js} | "
                          f"{r['request_throughput']:.2f} | {r['output_tokens_per_s']:.1f} | "
                          f"{p('ttft_ms', 'p50')} / {p('ttft_ms', 'p99')} | "
                          f"{p('itl_ms', 'p50')} / {p('itl_ms', 'p99')} | {p('tpot_ms', 'p50')} | {acc} | "
-                         f"{fc} |")
+                         f"{r.get('pages_in_use_after')} | {fc} |")
     return "\n".join(lines)
 
 
@@ -244,6 +323,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--tiny", action="store_true", help="a tiny random model (CPU smoke run)")
     ap.add_argument("--base-url", default=None, help="benchmark a running server (one mode)")
     ap.add_argument("--modes", default="off,on", help="off (plain), on (speculative)")
+    ap.add_argument("--prefix-cache", default="off", help="off, on or off,on (the server's "
+                    "--enable-prefix-caching); each combination with --modes is one server")
+    ap.add_argument("--workload", choices=("chat", "shared-prefix"), default="chat",
+                    help="shared-prefix: one long system prompt before every request")
+    ap.add_argument("--structured-frac", type=float, default=0.0,
+                    help="fraction of requests with response_format json_object")
+    ap.add_argument("--disconnect-frac", type=float, default=0.0,
+                    help="fraction of clients that drop their stream after 1-5 chunks")
     ap.add_argument("--rates", default="1,4,inf",
                     type=lambda s: [float(x) for x in s.split(",")])
     ap.add_argument("--num-prompts", type=int, default=32)
@@ -264,7 +351,8 @@ def main(argv=None) -> dict:
             for key in ("model", "tokenizer", "draft", "method", "k"):
                 setattr(args, key, tiny[key])
         modes = [m.strip() for m in args.modes.split(",")]
-        results = [bench_mode(args, m == "on", prompts, workdir) for m in modes]
+        caches = [c.strip() == "on" for c in args.prefix_cache.split(",")]
+        results = [bench_mode(args, m == "on", prompts, workdir, c) for c in caches for m in modes]
     report = {"args": {k: v for k, v in vars(args).items()}, "results": results,
               "table_md": table(results)}
     print(report["table_md"])

@@ -404,7 +404,7 @@ def planted_good(vocab_size: int, alpha: float, key):
 
 
 def planted_accept_length(good, prompts, n: int, k: int) -> float:
-    """The mean accepted length (1 + accepted / speculative steps, api.acceptance_summary) that
+    """The mean accepted length (1 + accepted / speculative steps, stats.acceptance_summary) that
     greedy decoding of ``n`` tokens per prompt must measure on the planted structure: from
     pending token t a step accepts the run of good ids t, t+1, ... (at most k), then emits one
     more; the last step is cut at n tokens (its cut drafts are not accepted ones)."""
@@ -514,7 +514,7 @@ def sec_synthetic(sizes: Sizes, bw: float | None, report: Report):
         mal = planted = None
         if stats and method != "plain":
             steps = sum(s["speculative_steps"] for s in stats)
-            mal = 1 + sum(s["accepted_tokens"] for s in stats) / steps  # api.acceptance_summary
+            mal = 1 + sum(s["accepted_tokens"] for s in stats) / steps  # stats.acceptance_summary
             planted = planted_accept_length(planted_good(v, alpha, key_bad),
                                             [p for c in calls for p in c], n, k)
         tps = ntok / wall
