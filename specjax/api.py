@@ -151,7 +151,7 @@ def early_exit_draft(target: Model, num_layers: int) -> Model:
             or not 1 <= num_layers <= target.config.num_layers:
         raise ValueError(f"num_layers must be an int in [1, {target.config.num_layers}], "
                          f"got {num_layers!r}")
-    cfg = dataclasses.replace(target.config, num_layers=num_layers)
+    cfg = target.config.with_layers(range(num_layers))
     params = dict(target.params, layers=list(target.params["layers"][:num_layers]))
     return Model(params=params, config=cfg, source=f"{target.source}[:{num_layers}]")
 

@@ -90,6 +90,12 @@ class ModelConfig:
         """Whether layer i is a sparse MoE layer (never, for a dense Llama-family model)."""
         return False
 
+    def with_layers(self, layers) -> "ModelConfig":
+        """The config of a model made of this one's layers ``layers`` (indices, in order): an
+        early-exit draft, a student's picks, a head's one block. Families with per-layer fields
+        (Gemma 3's layer_types) keep those of the picked layers."""
+        return dataclasses.replace(self, num_layers=len(layers))
+
     @property
     def group_size(self) -> int:
         """Query heads per KV head (1 = MHA, H = MQA)."""

@@ -74,6 +74,11 @@ class Gemma3Config(ModelConfig):
             raise ValueError(f"Gemma3Config.query_pre_attn_scalar must be > 0, got "
                              f"{self.query_pre_attn_scalar!r}")
 
+    def with_layers(self, layers) -> "Gemma3Config":
+        """The config of the picked layers: their layer types (windows, RoPE bases) kept."""
+        return dataclasses.replace(self, num_layers=len(layers),
+                                   layer_types=tuple(self.layer_types[i] for i in layers))
+
     def window(self, i: int) -> int | None:
         """Layer i's attention window (None: full attention)."""
         return self.sliding_window if self.layer_types[i] == SLIDING else None
@@ -234,7 +239,8 @@ def forward(params, cfg: Gemma3Config, tokens, positions, kv: kv_cache.KVCache, 
 
 
 def block(lp, cfg, x, positions, kv, page_table, cache_start, valid, new_mask, attn_impl):
-    """One Gemma 3 layer over a one-layer cache (draft heads' blocks): layer 0's type."""
+    """One Gemma 3 layer over a one-layer cache (draft heads' blocks): layer 0's type (a head
+    for a Gemma target takes the target's last layer type, ``HeadConfig.for_target``)."""
     h, k0, v0 = decoder_layer(lp, cfg, 0, x, positions, kv.k[0], kv.v[0], page_table,
                               cache_start, valid, new_mask, attn_impl)
     return h, kv_cache.KVCache(k=(k0,), v=(v0,))

@@ -103,12 +103,14 @@ class HeadConfig:
                    aux_layers: tuple[int, ...] | None = None):
         """A head whose block has the target's dimensions. norms defaults to True for MTP and
         EAGLE-3, False for EAGLE-1; an EAGLE-3 head fuses ``aux_layers`` (default
-        ``default_aux_layers``)."""
+        ``default_aux_layers``). The block's per-layer fields (a Gemma 3 window and RoPE base)
+        are those of the target's last layer."""
         norms = (kind != "eagle") if norms is None else norms
         if kind == "eagle3":
             aux_layers = default_aux_layers(target_cfg.num_layers) if aux_layers is None \
                 else tuple(aux_layers)
-        return cls(kind=kind, layer=dataclasses.replace(target_cfg, num_layers=1), norms=norms,
+        layer = target_cfg.with_layers((target_cfg.num_layers - 1,))  # Gemma: the last layer's type
+        return cls(kind=kind, layer=layer, norms=norms,
                    fc_bias=(kind == "eagle" and not norms), aux_layers=aux_layers or ())
 
 

@@ -447,8 +447,8 @@ def test_host_work_overlaps_device_steps(schedule, monkeypatch):
     device = float(np.median(times))
     overlapped_call = engine._call
 
-    def serial_call(kind, meta):
-        return jax.block_until_ready(overlapped_call(kind, meta))
+    def serial_call(kind, meta, k=0):
+        return jax.block_until_ready(overlapped_call(kind, meta, k))
 
     def per_step(serial):
         monkeypatch.setattr(engine, "_call", serial_call if serial else overlapped_call)

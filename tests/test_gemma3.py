@@ -293,8 +293,20 @@ def test_gemma3_270m_perplexity_on_held_out_wikipedia(gemma270m):
 @needs_gemma
 @pytest.mark.slow
 def test_gemma3_270m_greedy_continuation(gemma270m):
+    """Cached decoding (sliding and full layers, the local RoPE base) picks the argmax of one
+    uncached pass over the same text at every position, and an early-exit draft of the model's
+    own first layers (their layer types kept) speculates losslessly."""
     model, tok = gemma270m
     assert model.config.layer_types.count("full_attention") == 3
     ids = tok.encode("The capital of France is", add_special_tokens=True)
-    out = sj.generate(model, [ids], max_new_tokens=8, method="none")
-    assert "Paris" in tok.decode(out.tokens[0])
+    out = sj.generate(model, [ids], max_new_tokens=16, method="none")
+    got = list(out.tokens[0])
+    assert len(got) == 16 and tok.decode(got).strip()
+    lg = sj.logits(model, ids + got)  # [len, V]
+    np.testing.assert_array_equal(lg[len(ids) - 1:-1].argmax(-1), got)
+    draft = sj.early_exit_draft(model, 6)
+    assert draft.config.layer_types == model.config.layer_types[:6]
+    spec = sj.generate(model, [ids], draft=draft, method="draft", max_new_tokens=16,
+                       num_draft_tokens=3)
+    assert list(spec.tokens[0]) == got
+    assert spec.stats["speculative_steps"] > 0

@@ -272,9 +272,9 @@ def train_head(target, tok, work: str, out: str, kind: str, norms: bool, tc: tra
 
 def train_draft(target, tok, work: str, out: str, num_layers: int, tc: trainer.TrainConfig,
                 eval_prompts: int = 8, run_name: str | None = None):
-    cfg = dataclasses.replace(target.config, num_layers=num_layers)
     # student layers start from evenly spaced target layers; embedding + lm_head shared, frozen
     picks = np.linspace(0, target.config.num_layers - 1, num_layers).round().astype(int).tolist()
+    cfg = target.config.with_layers(picks)
     trainable = {"layers": [dict(target.params["layers"][i]) for i in picks],
                  "norm": target.params["norm"]}
     frozen = {k: v for k, v in target.params.items() if k not in ("layers", "norm")}
