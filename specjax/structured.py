@@ -186,7 +186,7 @@ class Matcher:
     """
 
     def __init__(self, compiler: GrammarCompiler, compiled, max_rollback: int = 64):
-        self._m = compiler._xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback)
+        self._m = compiler._xgr.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar
         self.words, self.vocab_size = compiler.words, compiler.vocab_size
 
     def mask(self, out: np.ndarray | None = None, index: int = 0) -> np.ndarray:
@@ -219,6 +219,8 @@ class Matcher:
     def chain_masks(self, drafts, out: np.ndarray) -> int:
         """Masks for verifying the chain d_1..d_K: ``out`` [K+1, W] row j = the state after the
         valid prefix up to d_j (rows past the first rejected draft repeat the last valid one).
+        A draft that ends the grammar (its stop token) ends the request: the rows after it
+        allow everything (whatever follows is discarded by the host, and no row is all zeros).
         The state is unchanged afterwards. Returns c, the length of the valid prefix."""
         self.mask(out, 0)
         c = 0
@@ -226,6 +228,10 @@ class Matcher:
             if not allowed(out[j], t) or not self._m.accept_token(int(t)):
                 break
             c = j + 1
+            if self._m.is_terminated():
+                out[c:] = -1
+                self.rollback(c)
+                return c
             self.mask(out, c)
         out[c + 1:] = out[c]
         self.rollback(c)
@@ -250,7 +256,9 @@ class Matcher:
                 path.append(int(tokens[j - 1]))
                 j = int(parents[j])
             c = self.accept(path[::-1])
-            if c == len(path):
+            if c == len(path) and self._m.is_terminated():
+                out[i] = -1  # the path ended the grammar: what follows is discarded
+            elif c == len(path):
                 self.mask(out, i)
             else:  # the mask allowed it but the matcher did not: treat as rejected
                 valid[i], out[i] = False, out[p]
