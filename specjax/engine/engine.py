@@ -602,6 +602,7 @@ class Engine:
             if structured:
                 jax.block_until_ready(self._call_structured(
                     kind, jax.device_put(steps.pack([], self.sc, b, t)), k, []))
+        self.structured_steps, self.grammar_mask_time_s, self.grammar_sync_time_s = 0, 0.0, 0.0
         return len(vs)
 
     def occupancy(self) -> dict:

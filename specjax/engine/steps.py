@@ -32,6 +32,10 @@ Two step functions (different static shapes, each jitted once per bucket):
 * ``spec_decode_step``: a decode-only batch through ``speculate.loop.step_counted`` (propose,
   verify, acceptance, absorb, fused).
 
+Structured outputs (specjax.engine.grammar) split the speculative step in two,
+``spec_propose_step`` and ``spec_verify_step`` (the host builds the grammar masks from the drafts
+in between), and give ``extend_step`` a mask of its sampled position.
+
 Randomness: the token sampled at position p of a request (ordinary step) uses
 ``fold_in(key(seed), p)``; a speculative step starting at length n uses row key
 ``fold_in(key(seed), n)`` with spec_step's salts. Keys never repeat within a request (positions
