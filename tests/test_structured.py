@@ -242,4 +242,6 @@ def test_smollm2_tokenizer_json_schema_with_speculation(smollm2_gguf):
         outs.append(h.result())
         check_valid(tok, CONSTRAINTS[0], outs[-1], h.finish_reason)
     assert outs[0] == outs[1]
-    assert eng.stats()["spec_decode_num_accepted_tokens"] > 0
+    # drafts were verified (a random model's unmasked argmax over 49152 tokens is seldom valid:
+    # acceptances are exercised with the small vocabularies above)
+    assert eng.stats()["spec_decode_num_drafts"] > 0
