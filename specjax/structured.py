@@ -174,9 +174,9 @@ class GrammarCompiler:
             self._cache[constraint.key] = compiled
         return compiled
 
-    def matcher(self, constraint: Constraint, max_rollback: int = 64) -> "Matcher":
+    def matcher(self, constraint: Constraint) -> "Matcher":
         """A fresh matcher for one request."""
-        return Matcher(self, self.compile(constraint), max_rollback)
+        return Matcher(self, self.compile(constraint))
 
 
 class Matcher:
@@ -185,7 +185,7 @@ class Matcher:
     Attributes: ``words`` (W int32 words per mask), ``vocab_size``.
     """
 
-    def __init__(self, compiler: GrammarCompiler, compiled, max_rollback: int = 64):
+    def __init__(self, compiler: GrammarCompiler, compiled):
         self._m = compiler._xgr.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar
         self.words, self.vocab_size = compiler.words, compiler.vocab_size
 

@@ -212,7 +212,7 @@ class Engine:
         stop = request.check_stop_ids(params.stop_token_ids, v, self._stop_ids, "stop_token_ids")
         matcher = None
         if params.constraint is not None:  # ValueError for a grammar xgrammar rejects
-            matcher = self.grammar_compiler().matcher(params.constraint, self.k_eff + 1)
+            matcher = self.grammar_compiler().matcher(params.constraint)
         with self._lock:
             rid = next(self._ids)
             seed = params.seed if params.seed is not None else int(self._rng.integers(-2**31, 2**31))
