@@ -115,11 +115,9 @@ def test_disconnect_is_still_an_abort(served):
 
 # ------------------------------------------------------------------------------ request fields
 
-UNSUPPORTED = [  # (create kwargs, the param the 400 must name)
-    ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "strict": True, "schema": {"type": "object", "properties": {
-            "a": {"type": "integer"}}, "required": ["a"]}}}}, "response_format"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+UNSUPPORTED = [  # (create kwargs, the param the 400 must name); structured outputs:
+    # tests/test_serve_structured.py
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
@@ -134,7 +132,7 @@ UNSUPPORTED = [  # (create kwargs, the param the 400 must name)
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"service_tier": "flex"}, "service_tier"),
     ({"n": 2}, "n"),
-    ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),  # vLLM extras
+    ({"extra_body": {"guided_whitespace_pattern": " "}}, "guided_whitespace_pattern"),  # vLLM
     ({"extra_body": {"min_tokens": 3}}, "min_tokens"),
     ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
     ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages"),
@@ -153,9 +151,9 @@ def test_unsupported_chat_fields_are_400_naming_the_field(served, kw, param):
 
 @pytest.mark.parametrize("kw,param", [
     ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 2}, "best_of"),
-    ({"logprobs": 1}, "logprobs"), ({"extra_body": {"response_format": {"type": "json_object"}}},
+    ({"logprobs": 1}, "logprobs"), ({"extra_body": {"response_format": {"type": "regex"}}},
                                     "response_format"),
-    ({"extra_body": {"guided_regex": "a+"}}, "guided_regex")])
+    ({"extra_body": {"guided_decoding_backend": "outlines"}}, "guided_decoding_backend")])
 def test_unsupported_completion_fields_are_400(served, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         served["client"].completions.create(model=MODEL, prompt="hi", max_tokens=4, **kw)

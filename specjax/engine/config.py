@@ -19,6 +19,8 @@ class RequestParams:
     temperature, top_k, top_p: as ``sj.generate`` (0 = greedy; top_k 0 / top_p 1.0 = off).
     seed: int in [-2**31, 2**31) for a reproducible stream, None for one drawn by the engine.
     stop_token_ids: ids that end the request; None = the model's EOS ids; () = never stop early.
+    constraint: a ``specjax.structured.Constraint`` the output must match (structured outputs;
+      the engine needs a tokenizer), or None. The request also ends when its grammar does.
     """
 
     max_tokens: int = 16
@@ -27,6 +29,7 @@ class RequestParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple | None = None
+    constraint: object = None
 
 
 def parse_spec_tokens_per_batch_size(text: str) -> tuple:

@@ -51,7 +51,7 @@ import numpy as np
 from specjax import native, registry, request, speculate
 from specjax.api import check_draft
 from specjax.config import SpecConfig
-from specjax.engine import steps
+from specjax.engine import grammar, steps
 from specjax.engine.config import (SCHEDULES, EngineConfig, RequestParams, _is_int,  # noqa: F401
                                    check_spec_table, parse_spec_tokens_per_batch_size)
 from specjax.engine.handle import RequestHandle
@@ -76,9 +76,12 @@ class Engine:
       target: the target Model.
       draft: a draft Model (method "draft") or a heads.Head (method "mtp" / "eagle"), else None.
       config: EngineConfig (keyword overrides are applied on top).
+      tokenizer: the target's tokenizer (a specjax Tokenizer), needed only for structured outputs
+        (``RequestParams.constraint``; specjax.engine.grammar); settable later as ``.tokenizer``.
     """
 
-    def __init__(self, target: Model, draft=None, config: EngineConfig | None = None, **overrides):
+    def __init__(self, target: Model, draft=None, config: EngineConfig | None = None, *,
+                 tokenizer=None, **overrides):
         cfg = dataclasses.replace(config or EngineConfig(), **overrides)
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax Model, got {type(target).__name__}")
@@ -183,6 +186,11 @@ class Engine:
         self._stop_flag = False
         self._failure = None
         self._stop_ids = tuple(target.config.eos_token_ids)
+        self.tokenizer = tokenizer
+        self._grammar = None  # specjax.structured.GrammarCompiler, built at first use
+        self.structured_steps = 0  # steps with a constrained row
+        self.grammar_mask_time_s = 0.0  # host time building their token masks
+        self.grammar_sync_time_s = 0.0  # time blocked reading drafts between propose and verify
 
     # ------------------------------------------------------------------------- submission
     def submit(self, prompt, params: RequestParams | None = None, *, callback=None) -> RequestHandle:
@@ -205,6 +213,9 @@ class Engine:
                                     max_new_name="max_tokens", max_len_name="max_model_len")
         request.check_seed(params.seed, allow_none=True)
         stop = request.check_stop_ids(params.stop_token_ids, v, self._stop_ids, "stop_token_ids")
+        matcher = None
+        if params.constraint is not None:  # ValueError for a grammar xgrammar rejects
+            matcher = self.grammar_compiler().matcher(params.constraint)
         with self._lock:
             rid = next(self._ids)
             seed = params.seed if params.seed is not None else int(self._rng.integers(-2**31, 2**31))
@@ -212,11 +223,29 @@ class Engine:
         req = Request(id=rid, prompt=ids, max_tokens=int(params.max_tokens),
                       temperature=float(params.temperature), top_k=min(int(params.top_k), v),
                       top_p=float(params.top_p), seed=int(seed), stop=frozenset(stop),
-                      arrival=time.perf_counter(), handle=handle, callback=callback)
+                      arrival=time.perf_counter(), handle=handle, callback=callback,
+                      matcher=matcher)
         handle._req = req
         self._submitted.put(req)
         self._wake.set()
         return handle
+
+    def grammar_compiler(self):
+        """The engine's ``specjax.structured.GrammarCompiler`` (built at first use from
+        ``tokenizer``; stop tokens: the model's EOS ids and the tokenizer's)."""
+        with self._lock:
+            if self._grammar is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs (RequestParams.constraint) need the "
+                                     "engine's tokenizer: Engine(..., tokenizer=...)")
+                from specjax.structured import GrammarCompiler  # noqa: PLC0415 - xgrammar ~2 s
+
+                stop = set(self._stop_ids)
+                if getattr(self.tokenizer, "eos_token_id", None) is not None:
+                    stop.add(int(self.tokenizer.eos_token_id))
+                self._grammar = GrammarCompiler(self.tokenizer, self.target.config.vocab_size,
+                                                stop)
+            return self._grammar
 
     def abort(self, request_id: int) -> None:
         """Cancels a request; safe to call from any thread, a no-op once it has finished.
@@ -279,7 +308,8 @@ class Engine:
         self._drain_aborts()
         plan = self.scheduler.schedule(t0)
         t_planned = time.perf_counter()
-        if self.schedule == "sync":
+        # constrained rows need every matcher advanced by the previous step: no overlap
+        if self.schedule == "sync" or grammar.is_structured(plan):
             while self._inflight:
                 blocked += self._retire(self._inflight.popleft())
             if plan is not None:
@@ -431,10 +461,44 @@ class Engine:
         self._state = out[0]
         return out[1:]
 
+    def _call_structured(self, kind: str, meta, k: int, rows):
+        """A step with grammar masks (specjax.engine.grammar): propose, read the drafts, build
+        the masks, verify; an ordinary step masks its sampled position."""
+        b = meta.shape[0]
+        words = grammar.words_for(self.target.config.vocab_size)
+        cfgs = dict(target_cfg=self.target.config, draft_cfg=self._draft_cfg)
+        tp, dp = self._target_params, self._draft_params
+        self.structured_steps += 1
+        if kind != "spec":
+            t = time.perf_counter()
+            masks = grammar.extend_masks(rows, b, words)
+            self.grammar_mask_time_s += time.perf_counter() - t
+            out = steps.extend_step(tp, dp, self._state, meta, jax.device_put(masks), **cfgs,
+                                    sc=self.sc)
+            self._state = out[0]
+            return out[1:]
+        sc = self._spec_sc.get(k, self.sc)
+        self._state, proposal = steps.spec_propose_step(tp, dp, self._state, meta, **cfgs, sc=sc)
+        tree = sc.lc.tree is not None
+        t = time.perf_counter()
+        host = jax.device_get(proposal[:2] if tree else proposal.tokens)
+        t_read = time.perf_counter()
+        width = (host[0].shape[1] if tree else host.shape[1]) + 1
+        masks = grammar.spec_masks(rows, host, tree, b, width, words)
+        self.grammar_sync_time_s += t_read - t
+        self.grammar_mask_time_s += time.perf_counter() - t_read
+        out = steps.spec_verify_step(tp, dp, self._state, meta, proposal, jax.device_put(masks),
+                                     **cfgs, sc=sc)
+        self._state = out[0]
+        return out[1:]
+
     def _dispatch(self, plan, t0: float, t_planned: float) -> None:
         b = bucket(len(plan.rows), self.batch_buckets)
         meta = steps.pack([self._row_dict(r) for r in plan.rows], self.sc, b, plan.t)
-        outputs = self._call(plan.kind, jax.device_put(meta), plan.k)
+        if grammar.is_structured(plan):
+            outputs = self._call_structured(plan.kind, jax.device_put(meta), plan.k, plan.rows)
+        else:
+            outputs = self._call(plan.kind, jax.device_put(meta), plan.k)
         for row in plan.rows:
             row.req.inflight_growth += row.growth
         now = time.perf_counter()
@@ -478,9 +542,14 @@ class Engine:
         """Appends tokens up to the request's stop / max_tokens; returns how many it kept."""
         new, reason = [], None
         for tok in tokens:
+            ended = grammar.advance(req, tok)  # structured outputs: None without a constraint
+            if ended == "abort":  # a token the grammar rejects: a bug, but only this request's
+                warnings.warn(f"request {req.id}: token {tok} violates its grammar", stacklevel=2)
+                reason = "abort"
+                break
             req.output.append(tok)
             new.append(tok)
-            if tok in req.stop:
+            if ended is not None or tok in req.stop:
                 reason = "stop"
                 break
             if len(req.output) >= req.max_tokens:
@@ -502,9 +571,10 @@ class Engine:
             self._recent[req.id] = req
             if len(self._recent) > 1024:
                 self._recent.popitem(last=False)
-            m.request_success_total += 1
             m.request_finished_by_reason[reason] += 1
-            self._observe_finish(req, now)
+            if reason != "abort":
+                m.request_success_total += 1
+                self._observe_finish(req, now)
         self._outbox.append((req, new, reason))
         return len(new)
 
@@ -540,8 +610,9 @@ class Engine:
                 out.append(v)
         return out
 
-    def warmup(self) -> int:
-        """Compiles (and runs once, on padding rows that write nothing) every step variant.
+    def warmup(self, structured: bool = False) -> int:
+        """Compiles (and runs once, on padding rows that write nothing) every step variant,
+        and with ``structured`` also their masked twins (structured outputs).
 
         Returns the number of variants. Call before serving so no request pays a compilation.
         """
@@ -552,6 +623,10 @@ class Engine:
             k, t = (t, 0) if kind == "spec" else (0, t)
             outs = self._call(kind, jax.device_put(steps.pack([], self.sc, b, t)), k)
             jax.block_until_ready(outs)
+            if structured:
+                jax.block_until_ready(self._call_structured(
+                    kind, jax.device_put(steps.pack([], self.sc, b, t)), k, []))
+        self.structured_steps, self.grammar_mask_time_s, self.grammar_sync_time_s = 0, 0.0, 0.0
         return len(vs)
 
     def occupancy(self) -> dict:
@@ -575,5 +650,8 @@ class Engine:
                  prefix_cache_queries=self.scheduler.prefix_cache_queries,
                  prefix_cache_hits=self.scheduler.prefix_cache_hits,
                  kv_pages_cached=self.allocator.num_cached,
-                 prefix_cache_evictions=self.allocator.num_evictions)
+                 prefix_cache_evictions=self.allocator.num_evictions,
+                 structured_steps=self.structured_steps,
+                 grammar_mask_time_s=self.grammar_mask_time_s,
+                 grammar_sync_time_s=self.grammar_sync_time_s)
         return s

@@ -71,6 +71,7 @@ class Request:
     num_preemptions: int = 0
     # one (output index of its first token, accepted drafts, drafts proposed) per speculative step
     spec_steps: list = dataclasses.field(default_factory=list)
+    matcher: object = None  # a specjax.structured.Matcher (structured outputs), else None
 
     @property
     def num_known(self) -> int:

@@ -32,6 +32,10 @@ Two step functions (different static shapes, each jitted once per bucket):
 * ``spec_decode_step``: a decode-only batch through ``speculate.loop.step_counted`` (propose,
   verify, acceptance, absorb, fused).
 
+Structured outputs (specjax.engine.grammar) split the speculative step in two,
+``spec_propose_step`` and ``spec_verify_step`` (the host builds the grammar masks from the drafts
+in between), and give ``extend_step`` a mask of its sampled position.
+
 Randomness: the token sampled at position p of a request (ordinary step) uses
 ``fold_in(key(seed), p)``; a speculative step starting at length n uses row key
 ``fold_in(key(seed), n)`` with spec_step's salts. Keys never repeat within a request (positions
@@ -49,6 +53,7 @@ import numpy as np
 from specjax import adaptive, control, ngram, registry, sampling, speculate
 from specjax.config import SpecConfig
 from specjax.model import lm_head
+from specjax.structured import apply_bitmask
 
 (COL_KIND, COL_SLOT, COL_START, COL_NUM_NEW, COL_FINAL, COL_NEXT, COL_SEED, COL_TEMP, COL_TOP_K,
  COL_TOP_P) = range(10)
@@ -186,8 +191,10 @@ def _scatter(state: speculate.DecodeState, slot, commit, **updates) -> speculate
     return dataclasses.replace(state, **new)
 
 
-def _extend(target_params, draft_params, state, meta, *, target_cfg, draft_cfg, sc: StepConfig):
-    """Ordinary-sampling step over prefill chunks and one-token decode rows.
+def _extend(target_params, draft_params, state, meta, masks=None, *, target_cfg, draft_cfg,
+            sc: StepConfig):
+    """Ordinary-sampling step over prefill chunks and one-token decode rows. ``masks`` [B, W]
+    int32: structured-output token bitmasks of the sampled position (None: no constraint).
 
     Returns (state, sampled [B] int32): the sampled token of decode rows and final chunks.
     """
@@ -209,6 +216,8 @@ def _extend(target_params, draft_params, state, meta, *, target_cfg, draft_cfg, 
         attn_impl=lc.attn_impl, return_logits=False, aux_layers=drafter.aux_layers)
     last_h = jnp.take_along_axis(hidden, (num_new - 1)[:, None, None], axis=1)[:, 0]  # [B, E]
     logits = lm_head(target_params, target_cfg, last_h)  # [B, V]
+    if masks is not None:
+        logits = apply_bitmask(logits, masks)
     pos_new = start + num_new  # position of the sampled token
     keys = sampling.step_keys(_row_keys(cols["seed"], pos_new), jnp.zeros((), jnp.int32), 0)
     y = sampling.sample_logits(keys, logits, cols["temperature"], cols["top_k"],
@@ -253,26 +262,81 @@ def _spec_decode(target_params, draft_params, state, meta, cost=None, *, target_
     ``emitted[b, :counts[b]]`` (accepted drafts then the residual / bonus token) after the
     target verified ``verified[b]`` draft tokens (0: no n-gram match or an adaptive plain step).
     """
+    plan, cols, ds = _gathered(state, meta, sc, target_cfg, draft_cfg, cost)
+    ds, verified = speculate.loop.step_counted(speculate.Models(target_params, draft_params), ds,
+                                               _row_params(cols, sc.lc.k_eff + 1), plan)
+    return _scattered(state, ds, cols), ds.out_tokens, ds.num_out, verified
+
+
+def _gathered(state, meta, sc: StepConfig, target_cfg, draft_cfg, cost=None):
+    """(plan, cols, the batch's DecodeState gathered from its rows' slots)."""
     lc = sc.lc
     plan = speculate.make_plan(target_cfg, draft_cfg, lc)
     cols, page_table, _ = _unpack(meta, sc)
     b = page_table.shape[0]
-    slot, valid = cols["slot"], cols["valid"]
-    k1 = lc.k_eff + 1
     i0 = jnp.zeros((), jnp.int32)
-    rows = _rows_of(state, slot)
+    rows = _rows_of(state, cols["slot"])
     ds = dataclasses.replace(
-        state, **rows, page_table=page_table, out_tokens=jnp.zeros((b, k1), jnp.int32),
-        num_out=jnp.zeros((b,), jnp.int32), done=~valid, step=i0,
+        state, **rows, page_table=page_table, out_tokens=jnp.zeros((b, lc.k_eff + 1), jnp.int32),
+        num_out=jnp.zeros((b,), jnp.int32), done=~cols["valid"], step=i0,
         row_keys=_row_keys(cols["seed"], rows["lengths"]),
         accepted_per_pos=jnp.zeros((max(lc.k_eff, 1),), jnp.int32), row_steps=i0, drafted=i0,
         spec_steps=i0, cost=cost)
-    ds, verified = speculate.loop.step_counted(speculate.Models(target_params, draft_params), ds,
-                                               _row_params(cols, k1), plan)
+    return plan, cols, ds
+
+
+def _scattered(state, ds, cols):
+    """The slot state with the batch state ``ds``'s pools, shared counts and rows written back."""
     new = dataclasses.replace(state, target_kv=ds.target_kv, draft_kv=ds.draft_kv,
                               acc_hits=ds.acc_hits, acc_obs=ds.acc_obs, plain_run=ds.plain_run,
                               k_hist=ds.k_hist)
-    return _scatter(new, slot, valid, **_rows_of_all(ds)), ds.out_tokens, ds.num_out, verified
+    return _scatter(new, cols["slot"], cols["valid"], **_rows_of_all(ds))
+
+
+# Structured outputs split a speculative step in two so the host can read the drafts and build
+# the grammar's per-position masks in between (specjax.structured): ``spec_propose_step`` drafts
+# (catching lagging drafters up first) and keeps the drafter's pool in the slot state;
+# ``spec_verify_step`` verifies those drafts with the masks applied to the target's logits. Both
+# use the fused step's keys, so an unconstrained row (all-ones mask) gets the fused step's tokens.
+
+def _spec_propose(target_params, draft_params, state, meta, *, target_cfg, draft_cfg,
+                  sc: StepConfig):
+    """Returns (state, proposal): a chain's ``Drafts`` without its pool (tokens [B, K], probs,
+    proposing, ...) or a tree's (tokens [B, N], parents [B, N+1], depth [B, N+1])."""
+    lc = sc.lc
+    plan, cols, ds = _gathered(state, meta, sc, target_cfg, draft_cfg)
+    models = speculate.Models(target_params, draft_params)
+    drafter = plan.drafter
+    if lc.tree is not None:
+        tokens, parents, depth, draft_kv = drafter.propose_tree(models, ds, lc.tree)
+        ds, proposal = dataclasses.replace(ds, draft_kv=draft_kv), (tokens, parents, depth)
+    else:
+        ds = speculate.steps.caught_up(models, plan, ds)
+        drafts = drafter.propose(models, ds, _row_params(cols, lc.k_eff + 1), lc.k_eff,
+                                 sampling.step_keys(ds.row_keys, ds.step, 1), lc.draft_sampling)
+        ds, proposal = (dataclasses.replace(ds, draft_kv=drafts.draft_kv),
+                        dataclasses.replace(drafts, draft_kv=None))
+    return _scattered(state, ds, cols), proposal
+
+
+def _spec_verify(target_params, draft_params, state, meta, proposal, masks, *, target_cfg,
+                 draft_cfg, sc: StepConfig):
+    """Verifies ``proposal`` (from spec_propose_step) with ``masks`` [B, K+1, W] (trees:
+    [B, N+1, W]) int32 token bitmasks on the target's logits. Returns what spec_decode_step
+    returns."""
+    lc = sc.lc
+    plan, cols, ds = _gathered(state, meta, sc, target_cfg, draft_cfg)
+    models = speculate.Models(target_params, draft_params)
+    rp = _row_params(cols, lc.k_eff + 1)
+    if lc.tree is not None:
+        ds, _, verified = speculate.steps.tree_step(models, ds, rp, plan, proposal=proposal,
+                                                    masks=masks)
+    else:
+        drafts = dataclasses.replace(proposal, draft_kv=ds.draft_kv)
+        ds, _, verified = speculate.steps.chain_step(models, ds, rp, plan, drafts=drafts,
+                                                     masks=masks)
+    verified = jnp.where(cols["valid"], verified, 0).astype(jnp.int32)
+    return _scattered(state, ds, cols), ds.out_tokens, ds.num_out, verified
 
 
 def _rows_of_all(ds) -> dict:
@@ -283,9 +347,12 @@ def _rows_of_all(ds) -> dict:
 _STATIC = ("target_cfg", "draft_cfg", "sc")
 extend_step = jax.jit(_extend, static_argnames=_STATIC, donate_argnums=(2,))
 spec_decode_step = jax.jit(_spec_decode, static_argnames=_STATIC, donate_argnums=(2,))
+spec_propose_step = jax.jit(_spec_propose, static_argnames=_STATIC, donate_argnums=(2,))
+spec_verify_step = jax.jit(_spec_verify, static_argnames=_STATIC, donate_argnums=(2,))
 
 
 def compiled_variants() -> int:
     """Compiled executables held by the engine's step functions (all engines in the process)."""
-    return extend_step._cache_size() + spec_decode_step._cache_size()
+    return (extend_step._cache_size() + spec_decode_step._cache_size()
+            + spec_propose_step._cache_size() + spec_verify_step._cache_size())
 

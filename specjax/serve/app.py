@@ -9,6 +9,10 @@ are coroutines on the event loop and never block it. A handler validates the req
 it (``Engine.submit`` only queues) with a callback that the engine thread calls per delivered
 token batch; the callback hands the batch to the handler's ``asyncio.Queue`` through
 ``loop.call_soon_threadsafe``. Detokenization and stop-string matching run on the event loop.
+Structured outputs (``response_format``, vLLM's ``structured_outputs`` / ``guided_*``:
+``specjax.serve.protocol``) are compiled while the request is validated (xgrammar; an invalid
+schema, regex or grammar is a 400 naming the field) and enforced by the engine with
+speculation on (``specjax.engine.grammar``).
 A client that disconnects aborts its engine request (``Engine.abort``: slot and pages go back at
 the next step); a stop string that matches ends it as a success (``Engine.finish_stopped``: a
 "stop" finish in ``request_success_total`` and the latency histograms, counting only the tokens
@@ -220,14 +224,30 @@ class _Server:
             raise P.APIError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.vocab})",
                              param="stop_token_ids")
         stop = set(stop_ids) | (set() if body.ignore_eos else set(self.eos))
+        constraint = self.constraint(body)
         top_k = body.top_k or 0
         params = RequestParams(
             max_tokens=int(max_tokens),
             temperature=float(1.0 if body.temperature is None else body.temperature),
             top_k=0 if top_k < 0 else int(top_k),
             top_p=float(1.0 if body.top_p is None else body.top_p),
-            seed=body.seed, stop_token_ids=tuple(sorted(stop)))
+            seed=body.seed, stop_token_ids=tuple(sorted(stop)), constraint=constraint)
         return params, strings
+
+    def constraint(self, body):
+        """The request's structured-output Constraint (or None), compiled once here so that a
+        grammar xgrammar rejects is a 400 naming the field (the engine reuses the compiled one)."""
+        constraint, field = body.constraint()
+        if constraint is None:
+            return None
+        try:
+            self.engine.grammar_compiler().compile(constraint)
+        except ImportError:
+            raise P.APIError("structured outputs need xgrammar (pip install specjax[serve])",
+                             param=field) from None
+        except ValueError as e:
+            raise P.APIError(f"{field}: {e}", param=field) from None
+        return constraint
 
     # -- running --------------------------------------------------------------------------------
 
@@ -339,6 +359,8 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, max_queue: int = 6
       max_queue: requests that may wait beyond the engine's slots before HTTP 503.
     """
     srv = _Server(engine, tokenizer, model_name, max_queue)
+    if engine.tokenizer is None:  # structured outputs compile grammars against it
+        engine.tokenizer = tokenizer
     registry = make_registry(engine, model_name)
 
     @contextlib.asynccontextmanager

@@ -4,7 +4,7 @@ Requests are validated by pydantic in strict mode for types (a string where an i
 error, an int where a float belongs is fine) and by field constraints for ranges; any violation
 becomes HTTP 400 with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``
 (``param`` names the offending field). Fields OpenAI defines that specjax does not implement
-(``logprobs``, ``echo``, ``n`` > 1, penalties, ``response_format``, tools, ...) are accepted at
+(``logprobs``, ``echo``, ``n`` > 1, penalties, tools, ...) are accepted at
 their neutral value and rejected otherwise, and a field nobody defined is rejected too, so a
 client never silently gets something other than it asked for.
 
@@ -17,6 +17,14 @@ counted from the tokens it returned (``specjax.engine.metrics.request_spec_stats
 
 Extensions (as in vLLM): ``top_k`` (0 or -1 = off), ``stop_token_ids``, ``ignore_eos``; ``stop``
 may also hold token ids (ints) besides strings.
+
+Structured outputs (``_SamplingFields.constraint``, specjax.structured): OpenAI's
+``response_format`` ``{"type": "json_schema", "json_schema": {"name", "schema", "strict",
+"description"}}`` and ``{"type": "json_object"}``; vLLM's ``structured_outputs`` with exactly one
+of ``json`` (a schema), ``regex``, ``choice``, ``grammar`` (EBNF), ``json_object`` (and
+``disable_any_whitespace``); vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar``. At most one of these per request. JSON is generated compact unless
+``disable_any_whitespace`` is false.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ import uuid
 from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from specjax.structured import Constraint
 
 Number = Union[StrictInt, StrictFloat]
 
@@ -83,8 +93,14 @@ class _SamplingFields(BaseModel):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
-    response_format: Any = None
     service_tier: Any = None
+    # structured outputs (see ``constraint``)
+    response_format: Optional[dict] = None
+    structured_outputs: Optional[dict] = None
+    guided_json: Union[dict, StrictStr, None] = None
+    guided_regex: Optional[StrictStr] = None
+    guided_choice: Optional[list[StrictStr]] = None
+    guided_grammar: Optional[StrictStr] = None
 
     # field -> neutral values (None is always neutral) and why a non-neutral one is refused
     UNSUPPORTED: ClassVar[dict] = {
@@ -92,9 +108,6 @@ class _SamplingFields(BaseModel):
         "presence_penalty": ((0,), "presence_penalty is not supported (must be 0)"),
         "frequency_penalty": ((0,), "frequency_penalty is not supported (must be 0)"),
         "logit_bias": (({},), "logit_bias is not supported"),
-        "response_format": (({"type": "text"},),
-                            "response_format (structured outputs) is not supported yet; only "
-                            '{"type": "text"}'),
         "service_tier": (("auto", "default"), "service_tier must be 'auto' or 'default'"),
     }
 
@@ -109,6 +122,35 @@ class _SamplingFields(BaseModel):
 
     EXTRA_UNSUPPORTED: ClassVar[dict] = {}  # per endpoint
 
+    def constraint(self) -> tuple:
+        """(Constraint or None, the field it came from). Raises APIError naming the field for
+        a malformed one or for more than one; whether the grammar compiles is checked later."""
+        given = [n for n in ("response_format", "structured_outputs", "guided_json",
+                             "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(self, n) is not None
+                 and not (n == "response_format" and self.response_format == {"type": "text"})]
+        if len(given) > 1:
+            raise APIError(f"give at most one structured-output field, got {', '.join(given)}",
+                           param=given[1])
+        if not given:
+            return None, None
+        name = given[0]
+        value = getattr(self, name)
+        try:
+            if name == "response_format":
+                return _response_format(value), name
+            if name == "structured_outputs":
+                return _structured_outputs(value), name
+            if name == "guided_json":
+                return Constraint.json_schema(value), name
+            if name == "guided_regex":
+                return Constraint.regex(value), name
+            if name == "guided_choice":
+                return Constraint.choice(value), name
+            return Constraint.grammar(value), name
+        except (ValueError, TypeError) as e:
+            raise APIError(f"{name}: {e}", param=name) from None
+
     def stop_lists(self) -> tuple[list[str], list[int]]:
         """(stop strings, stop token ids) from ``stop`` and ``stop_token_ids``."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -117,6 +159,49 @@ class _SamplingFields(BaseModel):
             raise APIError("stop strings must not be empty", param="stop")
         ids = [s for s in stop if isinstance(s, int)] + list(self.stop_token_ids or [])
         return strings, ids
+
+
+def _response_format(rf: dict) -> Constraint | None:
+    kind = rf.get("type")
+    if kind == "json_object" and set(rf) == {"type"}:
+        return Constraint.json_object()
+    if kind == "json_schema" and set(rf) == {"type", "json_schema"}:
+        js = rf["json_schema"]
+        if not isinstance(js, dict) or not isinstance(js.get("name"), str):
+            raise ValueError("json_schema must be an object with a string 'name'")
+        extra = set(js) - {"name", "schema", "strict", "description"}
+        if extra:
+            raise ValueError(f"json_schema has unknown fields {sorted(extra)}")
+        if "schema" not in js:
+            raise ValueError("json_schema.schema is required")
+        return Constraint.json_schema(js["schema"])
+    raise ValueError('must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                     '"json_schema", "json_schema": {"name", "schema", "strict"}}')
+
+
+_SO_KINDS = {"json": Constraint.json_schema, "regex": Constraint.regex,
+             "choice": Constraint.choice, "grammar": Constraint.grammar}
+
+
+def _structured_outputs(so: dict) -> Constraint:
+    extra = set(so) - set(_SO_KINDS) - {"json_object", "disable_any_whitespace"}
+    if extra:
+        raise ValueError(f"unsupported fields {sorted(extra)}")
+    kinds = [k for k in (*_SO_KINDS, "json_object") if so.get(k) not in (None, False)]
+    if len(kinds) != 1:
+        raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object; got "
+                         f"{kinds or 'none'}")
+    ws = so.get("disable_any_whitespace", True)
+    if not isinstance(ws, bool):
+        raise ValueError("disable_any_whitespace must be a bool")
+    k = kinds[0]
+    if k == "json_object":
+        return Constraint.json_object(any_whitespace=not ws)
+    if k == "json":
+        return Constraint.json_schema(so[k], any_whitespace=not ws)
+    if k == "choice" and not isinstance(so[k], list):
+        raise ValueError("choice must be a list of strings")
+    return _SO_KINDS[k](so[k])
 
 
 class CompletionRequest(_SamplingFields):

@@ -35,6 +35,7 @@ from specjax import control, kv_cache, ngram, tree
 from specjax.model import lm_head
 from specjax.registry import init_cache
 from specjax.speculate.drafters import Span
+from specjax.structured import apply_bitmask
 from specjax.speculate.state import (DecodeState, Drafts, Models, Plan, RowParams, Verified, accept,
                                      accept_tree, commit, emit, emitted_tokens, sample,
                                      step_keys, target_forward, where_rows)
@@ -180,9 +181,12 @@ def plain_step(models: Models, state: DecodeState, rp: RowParams, plan: Plan):
     return new, zeros, zeros
 
 
-def chain_step(models: Models, state: DecodeState, rp: RowParams, plan: Plan, drafts=None):
+def chain_step(models: Models, state: DecodeState, rp: RowParams, plan: Plan, drafts=None,
+               masks=None):
     """One chain step: propose (unless ``drafts`` holds this step's k drafts already), verify
-    k+1 tokens, accept, absorb. Returns (state, a [B], verified [B])."""
+    k+1 tokens, accept, absorb. ``masks`` [B, K+1, W] int32: token bitmasks of structured
+    outputs (specjax.structured) applied to the target's logits at each verify position before
+    sampling and acceptance (None: no constraint). Returns (state, a [B], verified [B])."""
     lc, drafter = plan.lc, plan.drafter
     n = state.lengths
     k = lc.k_eff
@@ -197,6 +201,8 @@ def chain_step(models: Models, state: DecodeState, rp: RowParams, plan: Plan, dr
     logits, hidden, target_kv, aux = target_forward(
         models.target, plan.target_cfg, verify_tokens, positions, state.target_kv,
         state.page_table, n - 1, attn_impl=lc.attn_impl, aux_layers=drafter.aux_layers)
+    if masks is not None:
+        logits = apply_bitmask(logits, masks)
     a, y = accept(step_keys(state.row_keys, state.step, 2), d, logits, drafts.probs, rp)
     if drafter.may_skip:  # rows without a proposal take an ordinary sample from p_0 (lossless)
         y0 = sample(step_keys(state.row_keys, state.step, 3), logits[:, 0], rp)
@@ -213,19 +219,28 @@ def chain_step(models: Models, state: DecodeState, rp: RowParams, plan: Plan, dr
     return commit(state, rp, a, y, emitted, verified=verified, **updates), a, verified
 
 
-def tree_step(models: Models, state: DecodeState, rp: RowParams, plan: Plan):
-    """One tree step (module docstring). Returns (state, a [B], verified [B] = N nodes)."""
+def tree_step(models: Models, state: DecodeState, rp: RowParams, plan: Plan, proposal=None,
+              masks=None):
+    """One tree step (module docstring). ``proposal``: this step's (tokens [B, N], parents
+    [B, N+1], depth [B, N+1]) already drafted (the drafter's pool after proposing is
+    ``state.draft_kv``); ``masks`` [B, N+1, W] int32: structured-output bitmasks per node (the
+    grammar state after the root-to-node path). Returns (state, a [B], verified [B] = N nodes)."""
     lc, drafter = plan.lc, plan.drafter
     tc = lc.tree
     n = state.lengths
     active = ~state.done
     d_max = tc.max_depth
-    tokens, parents, depth, draft_kv = drafter.propose_tree(models, state, tc)  # [B,N], [B,N+1]
+    if proposal is None:
+        tokens, parents, depth, draft_kv = drafter.propose_tree(models, state, tc)  # [B,N], [B,N+1]
+    else:
+        (tokens, parents, depth), draft_kv = proposal, state.draft_kv
     verify_tokens = jnp.concatenate([state.last_token[:, None], tokens], axis=1)  # [B, N+1]
     logits, hidden, target_kv, aux = target_forward(
         models.target, plan.target_cfg, verify_tokens, (n - 1)[:, None] + depth, state.target_kv,
         state.page_table, n - 1, new_mask=tree.ancestor_mask(parents), attn_impl=lc.attn_impl,
         aux_layers=drafter.aux_layers)
+    if masks is not None:
+        logits = apply_bitmask(logits, masks)
     a, y, path = accept_tree(step_keys(state.row_keys, state.step, 2), tokens, parents, depth,
                              logits, rp, d_max)  # path [B, D+1]
     path_tokens = jnp.take_along_axis(verify_tokens, path, axis=1)  # [B, D+1] root first
