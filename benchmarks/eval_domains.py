@@ -25,11 +25,14 @@ import time
 import numpy as np
 
 import specjax as sj
+from specjax.dflash import DFlashHead
 from specjax.heads import Head
 from specjax.train.prompts import DOMAINS, broad_prompts
 
 
 def _method(draft) -> str:
+    if isinstance(draft, DFlashHead):
+        return "dflash"
     return draft.config.kind if isinstance(draft, Head) else "draft"
 
 

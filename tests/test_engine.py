@@ -509,5 +509,6 @@ def test_sampled_requests_follow_the_target_distribution(method):
     cells = ((toks[:, 0] * V + toks[:, 1]) * V + toks[:, 2]) * V + toks[:, 3]
     stats = engine.stats()
     assert 0.01 < stats["acceptance_rate"] < 0.99  # accept and residual paths both exercised
-    assert stats["per_position_acceptance"][-1] > 0.01  # bonus after full acceptance sampled
+    full = stats["spec_decode_num_accepted_tokens_per_pos"][-1]  # steps that accepted all k
+    assert full >= 50, full  # the bonus after full acceptance is in the sample, many times
     assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0, n=4)) > ALPHA

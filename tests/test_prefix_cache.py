@@ -201,3 +201,34 @@ def test_drafter_state_of_a_cached_prefix_is_exact(target, drafts, method):  # n
         assert sc == sp, f"{method}: prompt {i}: drafts differ with the cache: {sc} != {sp}"
     # a head's page 4 is keyed with token 20 too: the second family finds only pages 0..3
     assert hits == (5 * 20 if method == "draft" else 2 * 20 + 3 * 16)
+
+
+def test_ngram_history_of_a_cached_prefix_is_the_prompt(target, drafts):  # noqa: F811
+    """n-gram drafting reads the slot's token history: with the cache a request's history must
+    still hold its whole prompt (the cached pages' tokens seeded before its first chunk), and
+    its drafts match the uncached run's. The prompts repeat a run of the cached prefix at their
+    end, so the n-gram match (and the drafts) come from cached positions; the last two run
+    together, so one of them is in a slot that never held the prefix."""
+    a = PREFIX[:10]
+    prefix = a + a  # 20 tokens: 5 full pages of the first request, then cached
+    rng = np.random.default_rng(9)
+    prompts = [prefix + rng.integers(0, 64, 2).tolist() + a[:3] for _ in range(3)]
+    runs = {}
+    for cached in (False, True):
+        engine = make(target, drafts, "ngram", num_pages=80, enable_prefix_caching=cached)
+        out = []
+        for group in (prompts[:1], prompts[1:]):
+            hs = [engine.submit(p, RequestParams(max_tokens=6, stop_token_ids=())) for p in group]
+            while not all(h.tokens for h in hs):
+                engine.step()
+            hist = [np.asarray(engine._state.history)[h._req.slot, :len(p)].tolist()
+                    for h, p in zip(hs, group)]
+            engine.run()
+            out += [(h.result(), h.spec_stats(), x) for h, x in zip(hs, hist)]
+        runs[cached] = out, engine.stats()["prefix_cache_hits"]
+    (plain, _), (cached, hits) = runs[False], runs[True]
+    assert hits == 2 * 20
+    for i, ((tp, sp, hp), (tc, sc, hc)) in enumerate(zip(plain, cached)):
+        assert hc == hp == prompts[i], f"prompt {i}: history {hc} != {prompts[i]}"
+        assert tc == tp == alone(target, prompts[i], 6)
+        assert sc == sp, f"prompt {i}: drafts differ with the cache: {sc} != {sp}"

@@ -104,8 +104,8 @@ class EngineConfig:
       its last prompt token is always prefilled (the drafter's carried per-slot state). With a
       head drafter a cached page also depends on the token after it (the head's KV at the page's
       last position consumes it). Off by default (see the report in the issue: not yet run
-      against the whole suite). With "ngram" the slot's token history of a cached prefix is not
-      rebuilt (drafts from it are worse, outputs unchanged: verification is lossless).
+      against the whole suite). With "ngram" the slot's token history gets the cached prefix's
+      tokens before its first prefill chunk (drafts as if it had been prefilled).
     With ``spec.method == "ngram"`` no draft is needed (each slot keeps its token history on
     device); with ``spec.adaptive`` every speculative step picks k on device, from a cost model
     measured for each batch bucket at ``warmup()`` (speculation fades out as batches become

@@ -492,7 +492,24 @@ class Engine:
         self._state = out[0]
         return out[1:]
 
+    def _seed_histories(self, plan) -> None:
+        """n-gram drafting: a request whose prefix came from the prefix cache gets that
+        prefix's tokens in its slot's history before its first prefill chunk runs."""
+        for row in plan.rows:
+            r = row.req
+            if row.kind != steps.KIND_PREFILL or not r.cached_prefix or row.start != r.cached_prefix:
+                continue
+            width = self._state.history.shape[1]
+            t = min(1 << (r.cached_prefix - 1).bit_length(), width)  # a few compiled widths
+            toks = np.zeros(t, np.int32)
+            toks[:r.cached_prefix] = r.seq[:r.cached_prefix]
+            self._state = dataclasses.replace(self._state, history=steps.seed_history(
+                self._state.history, np.int32(r.slot), toks))
+            r.cached_prefix = 0
+
     def _dispatch(self, plan, t0: float, t_planned: float) -> None:
+        if self._state.history is not None:
+            self._seed_histories(plan)
         b = bucket(len(plan.rows), self.batch_buckets)
         meta = steps.pack([self._row_dict(r) for r in plan.rows], self.sc, b, plan.t)
         if grammar.is_structured(plan):

@@ -62,6 +62,7 @@ class Request:
     pages: list = dataclasses.field(default_factory=list)
     seq: list = dataclasses.field(default_factory=list)  # tokens to prefill (prompt + output)
     num_prefilled: int = 0
+    cached_prefix: int = 0  # tokens the prefix cache supplied at admission (not yet seeded)
     epoch: int = 0  # bumped at preemption: results of older dispatches are ignored
     inflight_growth: int = 0  # upper bound on tokens added by dispatched, unread steps
     admitted_at: float | None = None
@@ -222,7 +223,7 @@ class Scheduler:
                 self.waiting.popleft()
                 r.slot = self.free_slots.pop()
                 r.pages = self.alloc.acquire(hit, r) + self.alloc.allocate(n, r)
-                r.seq, r.num_prefilled, r.state = seq, h, PREFILL
+                r.seq, r.num_prefilled, r.cached_prefix, r.state = seq, h, h, PREFILL
                 if self.prefix_caching:
                     self.prefix_cache_queries += len(seq)
                     self.prefix_cache_hits += h

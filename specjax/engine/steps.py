@@ -344,6 +344,14 @@ def _rows_of_all(ds) -> dict:
             if getattr(ds, name) is not None}
 
 
+def _seed_history(history, slot, tokens):
+    """history [S+1, L] with tokens [T] (T <= L) written at row ``slot``, columns 0..T-1: the
+    token history of a prefix the prefix cache supplied (n-gram drafting; extend writes only
+    the span it prefills). Columns past the prefix are rewritten by the slot's next extend."""
+    return jax.lax.dynamic_update_slice(history, tokens[None].astype(history.dtype), (slot, 0))
+
+
+seed_history = jax.jit(_seed_history, donate_argnums=(0,))
 _STATIC = ("target_cfg", "draft_cfg", "sc")
 extend_step = jax.jit(_extend, static_argnames=_STATIC, donate_argnums=(2,))
 spec_decode_step = jax.jit(_spec_decode, static_argnames=_STATIC, donate_argnums=(2,))
