@@ -123,9 +123,7 @@ FAMILIES: tuple[Family, ...] = (
            block=gemma.block,
            unsupported=(("sharding", "no Gemma 3 sharding rules yet"),
                         ("tp_sharding", "no Gemma 3 sharding rules yet"),
-                        ("native", "Gemma 3 weights are not packed for specjax.native yet"),
-                        ("engine", "the engine's window page release is not built yet; "
-                         "untested with Gemma 3"))),
+                        ("native", "Gemma 3 weights are not packed for specjax.native yet"))),
 )
 _BY_CLASS = {f.config_class: f for f in FAMILIES}
 FAMILIES_CLASSES = frozenset(_BY_CLASS)  # every registered config class
