@@ -5,6 +5,8 @@ edge. Greedy outputs equal plain decoding (itself equal to HF, tests/test_gemma3
 drafter kind that needs no trained weights: none, n-gram, an early-exit draft of the model's
 first layers (a sliding and a full layer: their types are kept) and the hybrid of the two."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -63,27 +65,53 @@ def test_engine_greedy_equals_plain_across_windows(gemma, method):
     assert engine.allocator.num_used == 0  # every page back in the pool
 
 
+def write_bos_tokenizer(path):
+    """tests/test_serve.py's character tokenizer, with a post-processor that prepends
+    <|endoftext|> as Gemma's tokenizer prepends <bos> (add_special_tokens)."""
+    import tokenizers  # noqa: PLC0415
+
+    from tests.test_serve import write_tokenizer  # noqa: PLC0415
+
+    write_tokenizer(path)
+    f = os.path.join(path, "tokenizer.json")
+    tok = tokenizers.Tokenizer.from_file(f)
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    tok.save(f)
+
+
 def test_server_answers_the_openai_client(gemma, tmp_path):
     """The server in-process over the Gemma engine (n-gram speculation): a greedy completion
-    through the official openai client equals plain decoding."""
+    through the official openai client equals plain decoding, and a text prompt is encoded with
+    the tokenizer's special tokens (its BOS) unless the request says add_special_tokens=false."""
     pytest.importorskip("fastapi")
     openai = pytest.importorskip("openai")
     from fastapi.testclient import TestClient  # noqa: PLC0415
 
     from specjax.serve.app import create_app, make_engine_config  # noqa: PLC0415
-    from tests.test_serve import MODEL, write_tokenizer  # noqa: PLC0415
+    from tests.test_serve import MODEL  # noqa: PLC0415
 
     _, model = gemma
-    write_tokenizer(str(tmp_path / "tok"))
+    write_bos_tokenizer(str(tmp_path / "tok"))
     tok = sj.load_tokenizer(str(tmp_path / "tok"))
     cfg = make_engine_config(method="ngram", num_draft_tokens=3, max_slots=2, max_model_len=64,
                              page_size=4, batch_buckets=(2,), token_buckets=(8,))
     app = create_app(Engine(model, None, cfg), tok, model_name=MODEL, max_queue=4)
-    ids = PROMPTS[2]
+    ids, text = PROMPTS[2], "the cat sat on the mat"
+    bos_ids = tok.encode(text, add_special_tokens=True)
+    assert bos_ids == [0] + tok.encode(text)
     with TestClient(app) as http:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0,
                                http_client=http)
         res = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0,
                                         extra_body={"ignore_eos": True})
+        by_text = client.completions.create(model=MODEL, prompt=text, max_tokens=8,
+                                            temperature=0, extra_body={"ignore_eos": True})
+        raw = client.completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True,
+                                                    "add_special_tokens": False})
     assert res.choices[0].text == tok.decode(plain(model, ids, 16))
     assert res.usage.completion_tokens == 16
+    assert by_text.usage.prompt_tokens == len(bos_ids)
+    assert by_text.choices[0].text == tok.decode(plain(model, bos_ids, 8))
+    assert raw.usage.prompt_tokens == len(bos_ids) - 1

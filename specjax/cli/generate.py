@@ -99,7 +99,7 @@ def run(args) -> int:
         C.log(f"specjax generate: no prompts in {args.file}")
         return 2
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) if args.chat
-               else tok.encode(t) for t in texts]
+               else tok.encode(t, add_special_tokens=True) for t in texts]  # Gemma's BOS
     if args.stream:
         quiet = bool(args.json)
         begin = (lambda i: None) if quiet else (

@@ -184,7 +184,8 @@ class _Server:
             if len(p) != 1:
                 raise P.APIError(f"one prompt per request is supported, got {len(p)}", param="prompt")
             p = p[0]
-        ids = self.tok.encode(p) if isinstance(p, str) else list(p)
+        ids = (self.tok.encode(p, add_special_tokens=body.add_special_tokens) if isinstance(p, str)
+               else list(p))
         if not ids:
             raise P.APIError("prompt is empty", param="prompt")
         bad = [t for t in ids if not 0 <= t < self.vocab]

@@ -16,7 +16,9 @@ counted from the tokens it returned (``specjax.engine.metrics.request_spec_stats
 (tokens returned by those steps / num_drafts; null without drafts).
 
 Extensions (as in vLLM): ``top_k`` (0 or -1 = off), ``stop_token_ids``, ``ignore_eos``; ``stop``
-may also hold token ids (ints) besides strings.
+may also hold token ids (ints) besides strings; completions' ``add_special_tokens`` (default
+true: a text prompt is encoded with the tokenizer's special tokens, Gemma's BOS; token-id
+prompts are used as given).
 
 Structured outputs (``_SamplingFields.constraint``, specjax.structured): OpenAI's
 ``response_format`` ``{"type": "json_schema", "json_schema": {"name", "schema", "strict",
@@ -212,6 +214,7 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False
     suffix: Optional[StrictStr] = None
     best_of: Any = None
+    add_special_tokens: StrictBool = True  # vLLM: a text prompt gets the tokenizer's BOS etc.
 
     EXTRA_UNSUPPORTED: ClassVar[dict] = {
         "best_of": ((1,), "best_of must be 1"),
