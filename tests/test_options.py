@@ -68,3 +68,17 @@ def test_bad_options_raise_naming_them():
         spec_from_options({"method": "ngram", "ngram_min": 4, "ngram_max": 2})
     with pytest.raises(TypeError, match="options must be a mapping"):
         spec_from_options([("method", "draft")])
+
+
+def test_default_draft_of_a_target_without_shipped_drafts_is_ngram():
+    """A target the shipped drafts do not apply to gets n-gram lookup by default (an untrained
+    early-exit draft of a few layers accepts almost nothing); --method draft still gets one."""
+    from specjax import shipped  # noqa: PLC0415
+    from tests.conftest import tiny_model  # noqa: PLC0415
+
+    target = tiny_model(3, layers=4)
+    assert not shipped.applies_to(target)
+    draft, name, method = shipped.default_draft(target)
+    assert (draft, method) == (None, "ngram") and "n-gram" in name
+    draft, name, method = shipped.default_draft(target, "draft")
+    assert method == "draft" and draft.config.num_layers == 4  # min(8, the target's layers)

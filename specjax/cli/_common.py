@@ -74,7 +74,7 @@ def add_spec_flags(p, methods=CLI_METHODS) -> None:
                    help="draft path: a draft LLM or MTP/EAGLE head checkpoint, or any model path "
                         "(default: the measured-fastest shipped draft of checkpoints/fastest.json, "
                         "else the best shipped draft in checkpoints/: MTP, EAGLE, draft LLM; else "
-                        "an untrained early-exit draft)")
+                        "n-gram lookup (--method draft: an untrained early-exit draft)")
     p.add_argument("--method", choices=methods, default=None,
                    help="none = plain decoding; eagle-tree = a head drafting an EAGLE-2 dynamic "
                         "tree (--tree-*); ngram = prompt lookup (no draft model, --ngram-*); "

@@ -129,3 +129,38 @@ class EngineConfig:
 
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def resolve(cfg: EngineConfig, target_cfg) -> tuple[str, tuple, tuple]:
+    """Checks ``cfg`` for a target of config ``target_cfg``; returns (schedule, batch buckets,
+    token buckets) with the defaults filled in (batch buckets: powers of two up to max_slots).
+    Raises TypeError / ValueError naming the field."""
+    if not isinstance(cfg.spec, SpecConfig):
+        raise TypeError(f"EngineConfig.spec must be a specjax.SpecConfig, got "
+                        f"{type(cfg.spec).__name__}")
+    spec = cfg.spec
+    if not _is_int(cfg.max_slots) or cfg.max_slots < 1:
+        raise ValueError(f"max_slots must be an int >= 1, got {cfg.max_slots!r}")
+    schedule = cfg.schedule or ("sync" if spec.method == "draft" else "async")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {cfg.schedule!r}")
+    if not _is_int(cfg.max_model_len) or not 2 <= cfg.max_model_len <= \
+            target_cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len must be an int in [2, "
+                         f"{target_cfg.max_position_embeddings}], got {cfg.max_model_len!r}")
+    batch_buckets = cfg.batch_buckets
+    if batch_buckets is None:
+        batch_buckets = tuple(sorted({min(2 ** i, cfg.max_slots)
+                                      for i in range(cfg.max_slots.bit_length() + 1)}))
+    batch_buckets = tuple(sorted(set(batch_buckets)))
+    token_buckets = tuple(sorted(set(cfg.token_buckets)))
+    if not batch_buckets or batch_buckets[-1] != cfg.max_slots or batch_buckets[0] < 1:
+        raise ValueError(f"batch_buckets {batch_buckets} must be >= 1 and end at max_slots "
+                         f"{cfg.max_slots}")
+    if not token_buckets or not all(_is_int(t) and t >= 1 for t in token_buckets):
+        raise ValueError(f"token_buckets must be positive ints, got {cfg.token_buckets}")
+    for name in ("spec_max_batch", "max_prefill_tokens", "num_pages"):
+        value = getattr(cfg, name)
+        if value is not None and (not _is_int(value) or value < (0 if name == "spec_max_batch" else 1)):
+            raise ValueError(f"{name} must be None or a positive int, got {value!r}")
+    return schedule, batch_buckets, token_buckets

@@ -52,8 +52,9 @@ from specjax import native, registry, request, speculate
 from specjax.api import check_draft
 from specjax.config import SpecConfig
 from specjax.engine import grammar, steps
-from specjax.engine.config import (SCHEDULES, EngineConfig, RequestParams, _is_int,  # noqa: F401
-                                   check_spec_table, parse_spec_tokens_per_batch_size)
+from specjax.engine.config import (SCHEDULES, EngineConfig, RequestParams,  # noqa: F401
+                                   _is_int, check_spec_table, parse_spec_tokens_per_batch_size,
+                                   resolve)
 from specjax.engine.handle import RequestHandle
 from specjax.engine.allocator import PageAllocator
 from specjax.engine.metrics import EngineMetrics
@@ -86,35 +87,9 @@ class Engine:
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax Model, got {type(target).__name__}")
         registry.require(target.config, "engine")  # an unsupported family fails here, not in a step
-        if not isinstance(cfg.spec, SpecConfig):
-            raise TypeError(f"EngineConfig.spec must be a specjax.SpecConfig, got "
-                            f"{type(cfg.spec).__name__}")
+        schedule, batch_buckets, token_buckets = resolve(cfg, target.config)
         spec = cfg.spec
         check_draft(draft, target, spec.method)
-        if not _is_int(cfg.max_slots) or cfg.max_slots < 1:
-            raise ValueError(f"max_slots must be an int >= 1, got {cfg.max_slots!r}")
-        schedule = cfg.schedule or ("sync" if spec.method == "draft" else "async")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {cfg.schedule!r}")
-        if not _is_int(cfg.max_model_len) or not 2 <= cfg.max_model_len <= \
-                target.config.max_position_embeddings:
-            raise ValueError(f"max_model_len must be an int in [2, "
-                             f"{target.config.max_position_embeddings}], got {cfg.max_model_len!r}")
-        batch_buckets = cfg.batch_buckets
-        if batch_buckets is None:
-            batch_buckets = tuple(sorted({min(2 ** i, cfg.max_slots)
-                                          for i in range(cfg.max_slots.bit_length() + 1)}))
-        batch_buckets = tuple(sorted(set(batch_buckets)))
-        token_buckets = tuple(sorted(set(cfg.token_buckets)))
-        if not batch_buckets or batch_buckets[-1] != cfg.max_slots or batch_buckets[0] < 1:
-            raise ValueError(f"batch_buckets {batch_buckets} must be >= 1 and end at max_slots "
-                             f"{cfg.max_slots}")
-        if not token_buckets or not all(_is_int(t) and t >= 1 for t in token_buckets):
-            raise ValueError(f"token_buckets must be positive ints, got {cfg.token_buckets}")
-        for name in ("spec_max_batch", "max_prefill_tokens", "num_pages"):
-            value = getattr(cfg, name)
-            if value is not None and (not _is_int(value) or value < (0 if name == "spec_max_batch" else 1)):
-                raise ValueError(f"{name} must be None or a positive int, got {value!r}")
 
         self.target, self.draft, self.config = target, draft, cfg
         self.schedule = schedule
@@ -462,35 +437,15 @@ class Engine:
         return out[1:]
 
     def _call_structured(self, kind: str, meta, k: int, rows):
-        """A step with grammar masks (specjax.engine.grammar): propose, read the drafts, build
-        the masks, verify; an ordinary step masks its sampled position."""
-        b = meta.shape[0]
-        words = grammar.words_for(self.target.config.vocab_size)
-        cfgs = dict(target_cfg=self.target.config, draft_cfg=self._draft_cfg)
-        tp, dp = self._target_params, self._draft_params
+        """A step with grammar masks (specjax.engine.grammar.constrained_step)."""
+        sc = self._spec_sc.get(k, self.sc) if kind == "spec" else self.sc
+        self._state, out, (t_mask, t_sync) = grammar.constrained_step(
+            self._target_params, self._draft_params, self._state, meta, rows, kind=kind,
+            target_cfg=self.target.config, draft_cfg=self._draft_cfg, sc=sc)
         self.structured_steps += 1
-        if kind != "spec":
-            t = time.perf_counter()
-            masks = grammar.extend_masks(rows, b, words)
-            self.grammar_mask_time_s += time.perf_counter() - t
-            out = steps.extend_step(tp, dp, self._state, meta, jax.device_put(masks), **cfgs,
-                                    sc=self.sc)
-            self._state = out[0]
-            return out[1:]
-        sc = self._spec_sc.get(k, self.sc)
-        self._state, proposal = steps.spec_propose_step(tp, dp, self._state, meta, **cfgs, sc=sc)
-        tree = sc.lc.tree is not None
-        t = time.perf_counter()
-        host = jax.device_get(proposal[:2] if tree else proposal.tokens)
-        t_read = time.perf_counter()
-        width = (host[0].shape[1] if tree else host.shape[1]) + 1
-        masks = grammar.spec_masks(rows, host, tree, b, width, words)
-        self.grammar_sync_time_s += t_read - t
-        self.grammar_mask_time_s += time.perf_counter() - t_read
-        out = steps.spec_verify_step(tp, dp, self._state, meta, proposal, jax.device_put(masks),
-                                     **cfgs, sc=sc)
-        self._state = out[0]
-        return out[1:]
+        self.grammar_mask_time_s += t_mask
+        self.grammar_sync_time_s += t_sync
+        return out
 
     def _seed_histories(self, plan) -> None:
         """n-gram drafting: a request whose prefix came from the prefix cache gets that

@@ -20,6 +20,9 @@ An ordinary step (prefill's final chunk, one-token decode rows) masks the one sa
 
 from __future__ import annotations
 
+import time
+
+import jax
 import numpy as np
 
 from specjax.engine import steps
@@ -75,3 +78,31 @@ def advance(req, token: int) -> str | None:
     if m.accept((token,)) != 1:
         return "abort"
     return "stop" if m.is_terminated() else None
+
+
+def constrained_step(target_params, draft_params, state, meta, rows, *, kind: str, target_cfg,
+                     draft_cfg, sc: steps.StepConfig):
+    """One engine step with grammar masks: a speculative one proposes, reads the drafts back,
+    builds each row's masks and verifies; an ordinary one masks its sampled position.
+    Returns (state, the step's outputs, (mask-building seconds, seconds blocked reading drafts))."""
+    b = meta.shape[0]
+    words = words_for(target_cfg.vocab_size)
+    cfgs = dict(target_cfg=target_cfg, draft_cfg=draft_cfg, sc=sc)
+    if kind != "spec":
+        t = time.perf_counter()
+        masks = extend_masks(rows, b, words)
+        t_mask = time.perf_counter() - t
+        out = steps.extend_step(target_params, draft_params, state, meta, jax.device_put(masks),
+                                **cfgs)
+        return out[0], out[1:], (t_mask, 0.0)
+    state, proposal = steps.spec_propose_step(target_params, draft_params, state, meta, **cfgs)
+    tree = sc.lc.tree is not None
+    t = time.perf_counter()
+    host = jax.device_get(proposal[:2] if tree else proposal.tokens)  # [B, K] (tree: + parents)
+    t_read = time.perf_counter()
+    width = (host[0].shape[1] if tree else host.shape[1]) + 1
+    masks = spec_masks(rows, host, tree, b, width, words)
+    t_mask = time.perf_counter() - t_read
+    out = steps.spec_verify_step(target_params, draft_params, state, meta, proposal,
+                                 jax.device_put(masks), **cfgs)
+    return out[0], out[1:], (t_mask, t_read - t)
