@@ -104,8 +104,8 @@ def test_shipped_draft_accepts_what_was_recorded(smol, tok, name):
 def test_shipped_eagle3_head_loads_and_drafts_losslessly(smol, tok):
     """checkpoints/smollm2-eagle3-broad74-gpu (the best EAGLE-3 head: reference layout, float16 on
     disk) is found by specjax.shipped, drafts exactly plain greedy output, and is trained: an
-    untrained head is accepted ~never (mean accepted length ~1.0), this one 1.3-1.6 at k=1 on
-    broad prompts."""
+    untrained head is accepted ~never (mean accepted length ~1.0), this one 1.47 at k=2 on these
+    prompts (pinned)."""
     from specjax import shipped
 
     found = shipped.load_best(smol, "eagle3")
@@ -118,4 +118,6 @@ def test_shipped_eagle3_head_loads_and_drafts_losslessly(smol, tok):
     spec = sj.generate(smol, prompts, max_new_tokens=48, draft=head, method="eagle3",
                        num_draft_tokens=2, eos_token_id=[])
     assert spec.tokens == plain.tokens
-    assert spec.stats["mean_accepted_length"] > 1.2, spec.stats
+    # greedy acceptance is deterministic: 61 drafts accepted over 129 speculative steps on the
+    # default (Q4_1) weights, 2026-12-07; an untrained head gives ~1.0
+    assert spec.stats["mean_accepted_length"] == pytest.approx(1.473, abs=0.03), spec.stats
