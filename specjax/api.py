@@ -17,7 +17,7 @@ from specjax import (cost_model, dflash, heads, kv_cache, native, options, peagl
 from specjax.stats import acceptance_summary
 from specjax.dflash import DFlashHead
 from specjax.peagle import PEagleHead
-from specjax.io import checkpoint, dflash_io, families, gguf, heads_io
+from specjax.io import checkpoint, dflash_io, families, gguf, heads_io, peagle_io
 from specjax.heads import Head, cast_floats
 from specjax.config import ModelConfig, SpecConfig
 from specjax.model import Model, check_params
@@ -111,6 +111,8 @@ def load_draft(path, target: Model, dtype=None):
 
     if isinstance(path, (Model, Head, PEagleHead)):
         draft = dataclasses.replace(path, params=cast_floats(path.params, dtype))
+    elif isinstance(path, str) and peagle_io.is_peagle_dir(path):
+        draft = peagle_io.load_peagle(path, target.config, dtype, target_params=target.params)
     elif isinstance(path, str) and heads_io.is_eagle3_dir(path):
         draft = heads_io.load_eagle3(path, target.config, dtype, target_params=target.params)
     elif isinstance(path, str) and dflash_io.is_dflash_dir(path):
