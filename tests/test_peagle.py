@@ -348,3 +348,39 @@ def test_speculators_layout_round_trip_and_refusals(setup, tmp_path):
     refused("norm_before_fc", norm_before_fc=True)
     refused("mask_token_id", mask_token_id=None)
     refused(r"'fc.weight' has shape", eagle_aux_hidden_state_layer_ids=[1, 2])
+
+
+def test_train_entry_point_resumes_and_exports(setup, tmp_path):
+    """``python -m specjax.train.peagle_train`` on a tiny corpus, starting from an EAGLE-3 head
+    (--init-from): trains, resumes from its orbax state, exports a head load_draft reads."""
+    import gzip
+    import json
+    import os
+
+    from specjax.io import heads_io
+    hf, target, _ = setup
+    rng = np.random.RandomState(2)
+    for split in ("train", "held"):
+        os.makedirs(tmp_path / split)
+        with gzip.open(tmp_path / split / "answers-00000.jsonl.gz", "wt") as f:
+            for _ in range(6):
+                n = int(rng.randint(16, 30))
+                f.write(json.dumps({"ids": rng.randint(3, 97, n).tolist(), "prompt_len": 5,
+                                    "domain": "chat", "source": "t", "temperature": 0.0}) + "\n")
+    hf.save_pretrained(tmp_path / "target")
+    hc = heads.HeadConfig.for_target(target.config, "eagle3")  # default aux layers
+    heads_io.save_eagle3(heads.Head(heads.init_head(hc, jax.random.key(4)), hc),
+                         str(tmp_path / "e3"))
+    argv = ["--out", str(tmp_path / "run"), "--model", str(tmp_path / "target"),
+            "--corpus", str(tmp_path / "train"), "--held-out-corpus", str(tmp_path / "held"),
+            "--shards", "1", "--init-from", str(tmp_path / "e3"), "--depths", "3",
+            "--mask-token-id", "5", "--anchors", "3", "--batch-size", "2", "--seq-len", "32",
+            "--save-every", "2", "--eval-batches", "1"]
+    assert peagle_train.main(argv + ["--steps", "2"]) == 0
+    assert peagle_train.main(argv + ["--steps", "4", "--export", str(tmp_path / "out")]) == 0
+    with open(tmp_path / "run" / "log.jsonl") as f:
+        assert [json.loads(x)["step"] for x in f] == [1, 3]  # the second run resumed at step 2
+    head = sj.load_draft(str(tmp_path / "out"), target=target)
+    assert isinstance(head, peagle.PEagleHead) and head.config.num_depths == 3
+    with open(tmp_path / "run" / "held_out.json") as f:
+        assert np.isfinite(json.load(f)["loss"])
