@@ -143,7 +143,8 @@ def main(argv=None):
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-batches", type=int, default=16)
-    p.add_argument("--export", default=None, help="write the trained head here (speculators layout)")
+    p.add_argument("--export", default=None,
+                   help="write the trained head here (speculators layout)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr)

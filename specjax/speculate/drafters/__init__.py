@@ -24,7 +24,8 @@ from specjax.speculate.drafters.ngram import Hybrid, NgramDrafter
 from specjax.speculate.drafters.parallel import ParallelHeadDrafter
 
 __all__ = ["Autoregressive", "BlockDrafter", "Custom", "Drafter", "DraftLLM", "HeadDrafter", "Hybrid",
-           "NgramDrafter", "NoDrafter", "ParallelHeadDrafter", "Span", "resolve"]
+           "NgramDrafter", "NoDrafter", "ParallelHeadDrafter", "Span",
+           "resolve"]
 
 
 def _builders(lc, target_cfg, draft_cfg) -> dict:
@@ -34,14 +35,16 @@ def _builders(lc, target_cfg, draft_cfg) -> dict:
             "draft": lambda: DraftLLM(draft_cfg, lc.attn_impl), "mtp": head, "eagle": head,
             "eagle3": head, "eagle-tree": head,
             "dflash": lambda: BlockDrafter(draft_cfg, target_cfg, lc.attn_impl),
-            "peagle": lambda: ParallelHeadDrafter(draft_cfg.head, target_cfg, lc.attn_impl, draft_cfg),
+            "peagle": lambda: ParallelHeadDrafter(draft_cfg.head, target_cfg, lc.attn_impl,
+                                                  draft_cfg),
             "custom": lambda: draft_cfg}
 
 
 def resolve(lc, target_cfg, draft_cfg) -> Drafter:
     """The static drafter of a SpecConfig and the draft's static config (a ModelConfig for a
     draft LLM, a HeadConfig for a head, a DFlashConfig for "dflash", a PEagleConfig for
-    "peagle", a Drafter for method "custom", None otherwise). The one place that reads ``lc.method``."""
+    "peagle", a Drafter for method "custom", None otherwise). The one place that reads
+    ``lc.method``."""
     drafter = _builders(lc, target_cfg, draft_cfg)[lc.method]()
     if not isinstance(drafter, Drafter):
         raise TypeError(f'method="{lc.method}" needs draft=specjax.speculate.Custom(drafter, params)')
