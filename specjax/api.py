@@ -12,11 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import (cost_model, dflash, heads, kv_cache, native, options, registry, request,
-                     sharding, speculate)
+from specjax import (cost_model, dflash, heads, kv_cache, native, options, peagle, registry,
+                     request, sharding, speculate)
 from specjax.stats import acceptance_summary
 from specjax.dflash import DFlashHead
-from specjax.io import checkpoint, dflash_io, families, gguf, heads_io
+from specjax.peagle import PEagleHead
+from specjax.io import checkpoint, dflash_io, families, gguf, heads_io, peagle_io
 from specjax.heads import Head, cast_floats
 from specjax.config import ModelConfig, SpecConfig
 from specjax.model import Model, check_params
@@ -108,8 +109,10 @@ def load_draft(path, target: Model, dtype=None):
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
 
-    if isinstance(path, (Model, Head)):
+    if isinstance(path, (Model, Head, PEagleHead)):
         draft = dataclasses.replace(path, params=cast_floats(path.params, dtype))
+    elif isinstance(path, str) and peagle_io.is_peagle_dir(path):
+        draft = peagle_io.load_peagle(path, target.config, dtype, target_params=target.params)
     elif isinstance(path, str) and heads_io.is_eagle3_dir(path):
         draft = heads_io.load_eagle3(path, target.config, dtype, target_params=target.params)
     elif isinstance(path, str) and dflash_io.is_dflash_dir(path):
@@ -135,7 +138,7 @@ def load_draft(path, target: Model, dtype=None):
         draft = Head(params=cast_floats(mtp.params, dtype), config=mtp.config)
     else:
         draft = load_model(path, dtype)
-    kind = (draft.config.kind if isinstance(draft, Head)
+    kind = (draft.config.kind if isinstance(draft, (Head, PEagleHead))
             else "dflash" if isinstance(draft, DFlashHead) else "draft")
     check_draft(draft, target, kind)
     return draft
@@ -181,6 +184,11 @@ def check_draft(draft, target: Model, method: str = "draft") -> None:
                             f"got {type(draft).__name__}")
         draft.config.check_target(target.config)
         return
+    if method == "peagle":  # an EAGLE-3 head plus mask_hidden: the head's checks
+        if not isinstance(draft, PEagleHead):
+            raise TypeError(f'method="peagle" needs a P-EAGLE head (specjax.peagle.PEagleHead), '
+                            f"got {type(draft).__name__}")
+        return check_draft(draft.eagle3, target, "eagle3")
     if method == "custom":
         if not isinstance(draft, speculate.Custom):
             raise TypeError('method="custom" needs draft=specjax.speculate.Custom(drafter, params), '
@@ -289,6 +297,10 @@ def draft_logits(target: Model, head, token_ids: Sequence[int]) -> np.ndarray:
     if isinstance(head, DFlashHead):  # a block drafter: its [B-1, V] block after token_ids
         request.check_tokens(token_ids, target.config.vocab_size, "token_ids")
         return dflash.block_logits(target, head, token_ids)
+    if isinstance(head, PEagleHead):  # its [K, V] parallel pass after token_ids
+        check_draft(head, target, "peagle")
+        request.check_tokens(token_ids, target.config.vocab_size, "token_ids")
+        return peagle.block_logits(target, head, token_ids)
     if not isinstance(head, Head):
         raise TypeError(f"head must be a specjax.heads.Head, got {type(head).__name__}")
     check_draft(head, target, head.config.kind)

@@ -214,7 +214,8 @@ class Qwen3MoeConfig(ModelConfig):
         return kw
 
 
-METHODS = ("none", "draft", "mtp", "eagle", "eagle3", "eagle-tree", "ngram", "dflash", "custom")
+METHODS = ("none", "draft", "mtp", "eagle", "eagle3", "eagle-tree", "ngram", "dflash", "peagle",
+           "custom")
 MODEL_DRAFTERS = ("draft", "mtp", "eagle", "eagle3", "dflash", "custom")  # methods that can hybrid / adapt by confidence
 ATTN_IMPLS = ("reference", "pallas")
 ADAPTIVE_SIGNALS = ("history", "confidence")  # SpecConfig.adaptive_by
@@ -255,7 +256,8 @@ class SpecConfig:
         target's features, drafting a chain), "eagle3" (EAGLE-3 head on fused multi-layer
         features), "eagle-tree" (a head drafting a tree, see ``tree``), "ngram" (drafts copied
         from the context, no draft model), "dflash" (a DFlash block drafter: k <= B-1 drafts
-        in one pass, specjax.dflash), "custom" (the ``specjax.speculate.Drafter`` passed as
+        in one pass, specjax.dflash), "peagle" (a P-EAGLE head: k <= K drafts in one causal pass,
+        specjax.peagle), "custom" (the ``specjax.speculate.Drafter`` passed as
         ``draft=specjax.speculate.Custom(drafter, params)``).
       num_draft_tokens: k, the chain draft length, in [1, 64] (``k``). Ignored by "eagle-tree"
         (the tree's depth bounds a step) and stored as 1 for "none". Default 4

@@ -393,6 +393,7 @@ def _packable(a) -> bool:
 
 
 def _pack_head(params: dict, cfg, target) -> dict:
+    cfg = getattr(cfg, "head", cfg)  # a P-EAGLE head packs as its EAGLE-3 head
     if _unsupported(cfg.layer):
         return params
     out = dict(params, layer=_pack_layer(params["layer"]))

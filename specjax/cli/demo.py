@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
                     "processes' CPU use.")
     C.add_model_flags(demo)
     # (a DFlash drafter has no adaptive run yet: demo it with `specjax generate --draft DIR`)
-    C.add_spec_flags(demo, methods=[m for m in METHODS if m not in ("none", "custom", "dflash")])
+    C.add_spec_flags(demo, methods=[m for m in METHODS if m not in ("none", "custom", "dflash", "peagle")])
     C.add_sampling_flags(demo)
     demo.add_argument("--rounds", type=int, default=5,
                       help="timed rounds, interleaved plain / speculative / adaptive (default 5)")

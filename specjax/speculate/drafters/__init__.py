@@ -8,6 +8,7 @@ maps a SpecConfig method name to a drafter.
 | "mtp", "eagle", "eagle3", "eagle-tree" | HeadDrafter (specjax.heads)    |
 | "ngram"                              | NgramDrafter                     |
 | "dflash"                             | BlockDrafter (specjax.dflash)    |
+| "peagle"                             | ParallelHeadDrafter (specjax.peagle) |
 | "custom"                             | the Drafter given as draft=Custom(drafter, params) |
 
 ``hybrid_min > 0`` wraps a model drafter in ``Hybrid`` (n-gram rows in the same verify).
@@ -20,9 +21,11 @@ from specjax.speculate.drafters.block import BlockDrafter
 from specjax.speculate.drafters.head import HeadDrafter
 from specjax.speculate.drafters.llm import DraftLLM
 from specjax.speculate.drafters.ngram import Hybrid, NgramDrafter
+from specjax.speculate.drafters.parallel import ParallelHeadDrafter
 
 __all__ = ["Autoregressive", "BlockDrafter", "Custom", "Drafter", "DraftLLM", "HeadDrafter", "Hybrid",
-           "NgramDrafter", "NoDrafter", "Span", "resolve"]
+           "NgramDrafter", "NoDrafter", "ParallelHeadDrafter", "Span",
+           "resolve"]
 
 
 def _builders(lc, target_cfg, draft_cfg) -> dict:
@@ -32,13 +35,16 @@ def _builders(lc, target_cfg, draft_cfg) -> dict:
             "draft": lambda: DraftLLM(draft_cfg, lc.attn_impl), "mtp": head, "eagle": head,
             "eagle3": head, "eagle-tree": head,
             "dflash": lambda: BlockDrafter(draft_cfg, target_cfg, lc.attn_impl),
+            "peagle": lambda: ParallelHeadDrafter(draft_cfg.head, target_cfg, lc.attn_impl,
+                                                  draft_cfg),
             "custom": lambda: draft_cfg}
 
 
 def resolve(lc, target_cfg, draft_cfg) -> Drafter:
     """The static drafter of a SpecConfig and the draft's static config (a ModelConfig for a
-    draft LLM, a HeadConfig for a head, a DFlashConfig for "dflash", a Drafter for method
-    "custom", None otherwise). The one place that reads ``lc.method``."""
+    draft LLM, a HeadConfig for a head, a DFlashConfig for "dflash", a PEagleConfig for
+    "peagle", a Drafter for method "custom", None otherwise). The one place that reads
+    ``lc.method``."""
     drafter = _builders(lc, target_cfg, draft_cfg)[lc.method]()
     if not isinstance(drafter, Drafter):
         raise TypeError(f'method="{lc.method}" needs draft=specjax.speculate.Custom(drafter, params)')
