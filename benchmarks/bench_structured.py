@@ -25,6 +25,7 @@ import specjax as sj
 from specjax.config import ModelConfig, SpecConfig
 from specjax.engine import Engine, EngineConfig, RequestParams
 from specjax.model import Model, init_params
+from specjax.provenance import with_provenance
 from specjax.structured import Constraint
 
 SCHEMA = {"type": "object",
@@ -87,6 +88,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", default=None, help="also write the rows (with provenance) here")
     args = ap.parse_args()
     target, tok = load(args.model)
     draft = sj.early_exit_draft(target, args.draft_layers)
@@ -99,10 +101,17 @@ def main() -> None:
     run(engine, tok, args.batch, 8, c)  # first compile of the grammar, matchers
     print(f"model {args.model}, method draft (early exit {args.draft_layers}), k {args.k}, "
           f"batch {args.batch}, max_tokens {args.max_tokens}, device {jax.devices()[0].platform}")
+    rows = []
     for _ in range(args.repeats):
         for constraint in (None, c):
             r = run(engine, tok, args.batch, args.max_tokens, constraint)
-            print(json.dumps({**r, "loadavg": [round(x, 2) for x in os.getloadavg()]}))
+            rows.append({**r, "loadavg": [round(x, 2) for x in os.getloadavg()]})
+            print(json.dumps(rows[-1]))
+    if args.json:
+        result = {"model": args.model, "draft_layers": args.draft_layers, "k": args.k,
+                  "batch": args.batch, "max_tokens": args.max_tokens, "rows": rows}
+        with open(args.json, "w") as f:
+            json.dump(with_provenance(result), f, indent=2)
 
 
 if __name__ == "__main__":

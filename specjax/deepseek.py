@@ -162,6 +162,17 @@ class DeepseekConfig:
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.first_k_dense_replace
 
+    def with_layers(self, layers) -> "DeepseekConfig":
+        """The config of a model made of layers ``layers`` (indices, in order), as
+        ``ModelConfig.with_layers``: the dense layers come first here, so the picks must too."""
+        layers = tuple(layers)
+        moe = [self.is_moe_layer(i) for i in layers]
+        dense = moe.index(True) if True in moe else len(moe)
+        if any(not m for m in moe[dense:]):
+            raise ValueError(f"layers {layers!r}: a DeepSeek model's dense layers come before its MoE "
+                             "layers, so dense picks must precede MoE picks")
+        return dataclasses.replace(self, num_layers=len(layers), first_k_dense_replace=dense)
+
     def mtp_block_config(self) -> "DeepseekConfig":
         """Config of the MTP head's block (index L in the HF layout): one layer, dims of the target."""
         return dataclasses.replace(self, num_layers=1, num_mtp_layers=0,
