@@ -17,7 +17,7 @@ Pieces:
 * ``PackedWeight``: a pytree holding a weight [K, N] and its panels; ``x @ packed`` (its
   ``__rmatmul__``) runs the kernel when x has at most ``MAX_ROWS`` rows and XLA's dot on the
   canonical weight otherwise (prefill, big batches). Model code keeps writing ``x @ w``.
-* ``inference_params(model)``: a copy of a Llama-family model's params whose linear weights are
+* ``inference_params(model)``: a copy of a Llama-family or Gemma 3 model's params whose linear weights are
   ``PackedWeight``s plus ``"lm_head_packed"`` (the output projection, tied or not), built once
   per model object and kept on it. ``sj.generate`` and the engine run on it; everything else
   (training, checkpoints, heads reading the target's embedding) sees the canonical params.
@@ -377,7 +377,8 @@ def pack_weight(*ws) -> PackedWeight:
 
 def _pack_layer(lp: dict, blocks=None) -> dict:
     """One decoder layer's dict with its linear weights packed (q|k|v, gate|up fused); those in
-    ``blocks`` (name -> (qtype, GGUF blocks)) as QuantWeights."""
+    ``blocks`` (name -> (qtype, GGUF blocks)) as QuantWeights (a group whose blocks differ in
+    type, e.g. Gemma's Q5_0 q/k with a Q8_0 v, stays unfused)."""
     lp, blocks = dict(lp), blocks or {}
 
     def one(names):
@@ -385,8 +386,9 @@ def _pack_layer(lp: dict, blocks=None) -> dict:
         return quant_weight(ws, [blocks.get(n) for n in names]) if blocks else pack_weight(*ws)
 
     for group in FUSED:  # q|k|v and gate|up read the same input: one product each
-        if all(n in lp and _packable(lp[n]) for n in group):
-            lp["+".join(group)] = one(group)
+        types = {(blocks.get(n) or (None,))[0] for n in group}
+        if all(n in lp and _packable(lp[n]) for n in group) and (not blocks or len(types) == 1):
+            lp["+".join(group)] = one(group)  # (mixed block types: one QuantWeight each)
     for name in [n for n in lp if n in LINEAR_KEYS and _packable(lp[n])]:
         lp[name] = one((name,))
     return lp
