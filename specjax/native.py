@@ -17,9 +17,10 @@ Pieces:
 * ``PackedWeight``: a pytree holding a weight [K, N] and its panels; ``x @ packed`` (its
   ``__rmatmul__``) runs the kernel when x has at most ``MAX_ROWS`` rows and XLA's dot on the
   canonical weight otherwise (prefill, big batches). Model code keeps writing ``x @ w``.
-* ``inference_params(model)``: a copy of a Llama-family or Gemma 3 model's params whose linear weights are
-  ``PackedWeight``s plus ``"lm_head_packed"`` (the output projection, tied or not), built once
-  per model object and kept on it. ``sj.generate`` and the engine run on it; everything else
+* ``inference_params(model)``: a copy of a Llama-family or Gemma 3 model's params whose linear
+  weights are ``PackedWeight``s (``QuantWeight``s for a GGUF's streamed blocks) plus
+  ``"lm_head_packed"`` (the output projection, tied or not), built once per model object and
+  kept on it. ``sj.generate`` and the engine run on it; everything else
   (training, checkpoints, heads reading the target's embedding) sees the canonical params.
 
 The kernel is compiled on first use with the system C++ compiler for this CPU (``-march=native``)

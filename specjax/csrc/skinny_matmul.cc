@@ -426,8 +426,8 @@ template <> inline void DequantV<kQ5_0>(const uint8_t* __restrict b, int, Vec* o
   const __m512i qh = _mm512_set1_epi32(static_cast<int>(bits)), one = _mm512_set1_epi32(1);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i h0 = _mm512_and_si512(_mm512_srlv_epi32(qh, lane), one);
-  const __m512i h1 = _mm512_and_si512(_mm512_srlv_epi32(qh, _mm512_add_epi32(lane,
-                                                                          _mm512_set1_epi32(16))), one);
+  const __m512i lane16 = _mm512_add_epi32(lane, _mm512_set1_epi32(16));
+  const __m512i h1 = _mm512_and_si512(_mm512_srlv_epi32(qh, lane16), one);
   __m512i lo, hi;
   Nibbles(b + 6, &lo, &hi);
   const __m512i sixteen = _mm512_set1_epi32(16);
