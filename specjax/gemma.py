@@ -185,9 +185,8 @@ def decoder_layer(lp, cfg: Gemma3Config, i: int, x, positions, k_pages, v_pages,
     freqs = jnp.asarray(inv_freq(cfg, i))
     with jax.named_scope("attention"):
         y = rms_norm(x, lp["attn_norm"], eps)
-        q = (y @ lp["wq"]).reshape(b, t, h, d)
-        k = (y @ lp["wk"]).reshape(b, t, hkv, d)
-        v = (y @ lp["wv"]).reshape(b, t, hkv, d)
+        q, k, v = llama._fused(y, lp, ("wq", "wk", "wv"), (None,) * 3)  # one product if packed
+        q, k, v = q.reshape(b, t, h, d), k.reshape(b, t, hkv, d), v.reshape(b, t, hkv, d)
         q = llama.apply_rope(rms_norm(q, lp["q_norm"], eps), positions, freqs)
         k = llama.apply_rope(rms_norm(k, lp["k_norm"], eps), positions, freqs)
         k_pages, v_pages = kv_cache.write_layer(k_pages, v_pages, k, v, page_table, cache_start,
@@ -201,7 +200,8 @@ def decoder_layer(lp, cfg: Gemma3Config, i: int, x, positions, k_pages, v_pages,
         x = x + rms_norm(o, lp["post_attn_norm"], eps)
     with jax.named_scope("mlp"):
         y = rms_norm(x, lp["mlp_norm"], eps)
-        y = (jax.nn.gelu(y @ lp["w_gate"], approximate=True) * (y @ lp["w_up"])) @ lp["w_down"]
+        gate, up = llama._fused(y, lp, ("w_gate", "w_up"), (None, None))
+        y = (jax.nn.gelu(gate, approximate=True) * up) @ lp["w_down"]
         x = x + rms_norm(y, lp["post_mlp_norm"], eps)
     return x, k_pages, v_pages
 

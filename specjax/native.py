@@ -17,9 +17,10 @@ Pieces:
 * ``PackedWeight``: a pytree holding a weight [K, N] and its panels; ``x @ packed`` (its
   ``__rmatmul__``) runs the kernel when x has at most ``MAX_ROWS`` rows and XLA's dot on the
   canonical weight otherwise (prefill, big batches). Model code keeps writing ``x @ w``.
-* ``inference_params(model)``: a copy of a Llama-family model's params whose linear weights are
-  ``PackedWeight``s plus ``"lm_head_packed"`` (the output projection, tied or not), built once
-  per model object and kept on it. ``sj.generate`` and the engine run on it; everything else
+* ``inference_params(model)``: a copy of a Llama-family or Gemma 3 model's params whose linear
+  weights are ``PackedWeight``s (``QuantWeight``s for a GGUF's streamed blocks) plus
+  ``"lm_head_packed"`` (the output projection, tied or not), built once per model object and
+  kept on it. ``sj.generate`` and the engine run on it; everything else
   (training, checkpoints, heads reading the target's embedding) sees the canonical params.
 
 The kernel is compiled on first use with the system C++ compiler for this CPU (``-march=native``)
@@ -61,13 +62,17 @@ TARGETS = {
     jnp.dtype(jnp.bfloat16): (TARGET + "_bf16", "SpecjaxSkinnyMatmulBF16"),
     jnp.dtype(jnp.float16): (TARGET + "_f16", "SpecjaxSkinnyMatmulF16"),
 }
-# GGUF block types the quantized kernel streams -> (custom-call target, symbol, bytes per block)
+# GGUF block types the quantized kernel streams -> (custom-call target, symbol, bytes per block,
+# weights per block along K: 32, or 256 for the K-quant super-blocks)
 QTARGETS = {
-    "Q4_0": (TARGET + "_q4_0", "SpecjaxQuantMatmulQ4_0", 18),
-    "Q4_1": (TARGET + "_q4_1", "SpecjaxQuantMatmulQ4_1", 20),
-    "Q8_0": (TARGET + "_q8_0", "SpecjaxQuantMatmulQ8_0", 34),
+    "Q4_0": (TARGET + "_q4_0", "SpecjaxQuantMatmulQ4_0", 18, 32),
+    "Q4_1": (TARGET + "_q4_1", "SpecjaxQuantMatmulQ4_1", 20, 32),
+    "Q5_0": (TARGET + "_q5_0", "SpecjaxQuantMatmulQ5_0", 22, 32),
+    "Q8_0": (TARGET + "_q8_0", "SpecjaxQuantMatmulQ8_0", 34, 32),
+    "Q4_K": (TARGET + "_q4_k", "SpecjaxQuantMatmulQ4_K", 144, 256),
+    "Q6_K": (TARGET + "_q6_k", "SpecjaxQuantMatmulQ6_K", 210, 256),
 }
-QBLOCK = 32  # weights per GGUF block (along K)
+QBLOCK = 32  # weights per GGUF block (along K) of the 32-weight types
 LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 FUSED = (("wq", "wk", "wv"), ("w_gate", "w_up"))  # packed as one weight "wq+wk+wv", "w_gate+w_up"
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "skinny_matmul.cc")
@@ -226,24 +231,81 @@ class PackedWeight:
 
 def quant_matmul(x, q, qtype: str):
     """x [M, K] float32 @ W -> [M, N] float32, W's column n being GGUF row n held as the file's
-    blocks ``q`` [N, K / 32 * bytes] uint8 of type ``qtype`` ("Q4_0", "Q4_1", "Q8_0").
+    blocks ``q`` [N, K / block * bytes] uint8 of type ``qtype`` (``QTARGETS``: "Q4_0", "Q4_1",
+    "Q5_0", "Q8_0" over 32 weights; the K-quants "Q4_K", "Q6_K" over 256).
 
-    The native kernel (``available()`` must be True): each block is dequantized in registers
-    with gguf's float32 arithmetic (every weight equals ``gguf.quants.dequantize``'s value), once
-    per call for up to 8 rows; a row's sum runs in k order whatever M is.
+    The native kernel (``available()`` must be True): each 32 weights are dequantized in
+    registers with gguf's float32 arithmetic (every weight equals ``gguf.quants.dequantize``'s
+    value), once per call for up to 8 rows; a row's sum runs in k order whatever M is.
     """
     if qtype not in QTARGETS:
         raise ValueError(f"quant_matmul: qtype must be one of {sorted(QTARGETS)}, got {qtype!r}")
-    if x.ndim != 2 or q.ndim != 2 or x.shape[1] % QBLOCK or \
-            q.shape[1] != x.shape[1] // QBLOCK * QTARGETS[qtype][2]:
-        raise ValueError(f"quant_matmul: x must be [M, K] (K % {QBLOCK} == 0) and q [N, K / "
-                         f"{QBLOCK} * {QTARGETS[qtype][2]}], got {x.shape} and {q.shape}")
+    _, _, nbytes, block = QTARGETS[qtype]
+    if x.ndim != 2 or q.ndim != 2 or x.shape[1] % block or \
+            q.shape[1] != x.shape[1] // block * nbytes:
+        raise ValueError(f"quant_matmul: x must be [M, K] (K % {block} == 0) and q [N, K / "
+                         f"{block} * {nbytes}], got {x.shape} and {q.shape}")
     if x.dtype != jnp.float32 or q.dtype != jnp.uint8:
         raise TypeError(f"quant_matmul takes float32 x and uint8 q, got {x.dtype} and {q.dtype}")
     call = jax.ffi.ffi_call(QTARGETS[qtype][0],
                             jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32),
                             vmap_method="sequential")
     return call(x, q)
+
+
+def dequantize_reference(q, qtype: str) -> np.ndarray:
+    """GGUF blocks ``q`` [N, K / block * bytes] uint8 -> the float32 weight [K, N], in plain
+    numpy after llama.cpp's ``dequantize_row_*`` loops (ggml-quants.c), float32 throughout in
+    the kernel's operation order; the kernel's twin (it must equal ``gguf.quants.dequantize``)."""
+    if qtype not in QTARGETS:
+        raise ValueError(f"dequantize_reference: qtype must be one of {sorted(QTARGETS)}, "
+                         f"got {qtype!r}")
+    _, _, nbytes, block = QTARGETS[qtype]
+    q = np.asarray(q, np.uint8)
+    n = q.shape[0]
+    b = q.reshape(n, -1, nbytes)  # [N, blocks, bytes]
+    half = lambda lo: b[..., lo:lo + 2].copy().view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
+    f32 = lambda a: a.astype(np.float32)  # noqa: E731
+    if qtype in ("Q4_0", "Q4_1", "Q5_0"):
+        off = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6}[qtype]
+        qs = b[..., off:off + 16].astype(np.int32)
+        v = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [N, blocks, 32]
+        if qtype == "Q5_0":
+            bits = b[..., 2:6].copy().view("<u4").astype(np.int64)  # [N, blocks, 1]
+            v = v | (((bits >> np.arange(32)) & 1) << 4).astype(np.int32)
+        d = half(0)[..., None]
+        if qtype == "Q4_1":
+            w = d * f32(v) + half(2)[..., None]
+        else:
+            w = d * f32(v - (16 if qtype == "Q5_0" else 8))
+    elif qtype == "Q8_0":
+        w = f32(b[..., 2:34].view(np.int8)) * half(0)[..., None]
+    elif qtype == "Q4_K":
+        sc8 = b[..., 4:16].astype(np.int32)
+        a, m, top = sc8[..., 0:4], sc8[..., 4:8], sc8[..., 8:12]  # get_scale_min_k4
+        sc = np.concatenate([a & 63, (top & 15) | ((a >> 6) << 4)], axis=-1)  # [N, blocks, 8]
+        mn = np.concatenate([m & 63, (top >> 4) | ((m >> 6) << 4)], axis=-1)
+        qs = b[..., 16:144].reshape(n, -1, 4, 32).astype(np.int32)  # 4 x 32 bytes
+        v = np.stack([qs & 15, qs >> 4], axis=-2).reshape(n, -1, 8, 32)  # sub-block 2i + s
+        dl = (half(0)[..., None] * f32(sc))[..., None]
+        ml = (half(2)[..., None] * f32(mn))[..., None]
+        w = dl * f32(v) - ml
+    else:  # Q6_K: weight 128 h + 32 t + l
+        ql = b[..., 0:128].reshape(n, -1, 2, 2, 32).astype(np.int32)  # [h, t & 1, l]
+        qh = b[..., 128:192].reshape(n, -1, 2, 1, 32).astype(np.int32)  # [h, l]
+        t = np.arange(4)
+        low = (ql[..., t & 1, :] >> (4 * (t >> 1))[:, None]) & 15  # [N, blocks, h, t, l]
+        high = (qh >> (2 * t)[:, None]) & 3
+        v = (low | (high << 4)) - 32
+        sc = f32(b[..., 192:208].view(np.int8)).reshape(n, -1, 2, 4, 2, 1)  # scale e // 16
+        w = (half(208)[..., None, None, None, None] * sc) * f32(v).reshape(n, -1, 2, 4, 2, 16)
+    return np.ascontiguousarray(w.reshape(n, -1).astype(np.float32).T)
+
+
+def quant_matmul_reference(x, q, qtype: str):
+    """The plain twin of ``quant_matmul``: ``dequantize_reference``, then a float32 ``x @ w``."""
+    return jnp.dot(x, jnp.asarray(dequantize_reference(q, qtype)),
+                   precision=jax.lax.Precision.HIGHEST)
 
 
 @jax.tree_util.register_dataclass
@@ -253,8 +315,8 @@ class QuantWeight:
 
     Fields:
       w: [K, N] the canonical float32 weight (XLA's dot, for more than MAX_ROWS rows).
-      q: [N, K / 32 * bytes] uint8: row n = column n of ``w`` in ``qtype``'s blocks.
-      qtype: static GGUF block type ("Q4_0", "Q4_1", "Q8_0").
+      q: [N, K / block * bytes] uint8: row n = column n of ``w`` in ``qtype``'s blocks.
+      qtype: static GGUF block type (a key of ``QTARGETS``).
       parts: static output widths of the weights fused into this one, or (N,).
     """
 
@@ -316,7 +378,8 @@ def pack_weight(*ws) -> PackedWeight:
 
 def _pack_layer(lp: dict, blocks=None) -> dict:
     """One decoder layer's dict with its linear weights packed (q|k|v, gate|up fused); those in
-    ``blocks`` (name -> (qtype, GGUF blocks)) as QuantWeights."""
+    ``blocks`` (name -> (qtype, GGUF blocks)) as QuantWeights (a group whose blocks differ in
+    type, e.g. Gemma's Q5_0 q/k with a Q8_0 v, stays unfused)."""
     lp, blocks = dict(lp), blocks or {}
 
     def one(names):
@@ -324,8 +387,9 @@ def _pack_layer(lp: dict, blocks=None) -> dict:
         return quant_weight(ws, [blocks.get(n) for n in names]) if blocks else pack_weight(*ws)
 
     for group in FUSED:  # q|k|v and gate|up read the same input: one product each
-        if all(n in lp and _packable(lp[n]) for n in group):
-            lp["+".join(group)] = one(group)
+        types = {(blocks.get(n) or (None,))[0] for n in group}
+        if all(n in lp and _packable(lp[n]) for n in group) and (not blocks or len(types) == 1):
+            lp["+".join(group)] = one(group)  # (mixed block types: one QuantWeight each)
     for name in [n for n in lp if n in LINEAR_KEYS and _packable(lp[n])]:
         lp[name] = one((name,))
     return lp

@@ -122,8 +122,7 @@ FAMILIES: tuple[Family, ...] = (
            forward=gemma.forward, init_cache=kv_cache.init_cache, init_params=gemma.init_params,
            block=gemma.block,
            unsupported=(("sharding", "no Gemma 3 sharding rules yet"),
-                        ("tp_sharding", "no Gemma 3 sharding rules yet"),
-                        ("native", "Gemma 3 weights are not packed for specjax.native yet"))),
+                        ("tp_sharding", "no Gemma 3 sharding rules yet"))),
 )
 _BY_CLASS = {f.config_class: f for f in FAMILIES}
 FAMILIES_CLASSES = frozenset(_BY_CLASS)  # every registered config class

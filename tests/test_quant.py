@@ -22,7 +22,8 @@ from specjax.io import gguf as gguf_io
 pytestmark = pytest.mark.skipif(not native.available(),
                                 reason="native kernel not built (no C++ compiler or not CPU)")
 
-QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
+QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0"]
+KQUANTS = ["Q4_K", "Q6_K"]  # 256-weight super-blocks (gguf has no quantizer for them)
 
 def _assert_close(got, x, w):
     """``got`` equals x @ w to float32 rounding: within 1e-5 of sum_k |x_k w_k| per element (a
@@ -39,6 +40,74 @@ def _blocks(qtype, n, k, seed):
     w[0] = 0.0  # an all-zero row (scale 0)
     q = quantize(w, GGMLQuantizationType[qtype])
     return q, dequantize(q, GGMLQuantizationType[qtype]).astype(np.float32).T
+
+
+def _kquant_blocks(qtype, n, k, seed):
+    """Random K-quant super-blocks [n, k / 256 * bytes] (every scale / min / quant byte
+    random, the fp16 d / dmin random finite values, row 0 all zeros) and gguf's dequantization
+    of them as the [k, n] weight."""
+    rng = np.random.default_rng(seed)
+    nbytes = native.QTARGETS[qtype][2]
+    q = rng.integers(0, 256, (n, k // 256, nbytes), dtype=np.uint8)
+    halves = rng.standard_normal((n, k // 256, 2)) * np.array([1e-2, 1e-3])
+    halves[0] = 0.0
+    offs = (0, 2) if qtype == "Q4_K" else (208,)
+    for i, off in enumerate(offs):
+        q[..., off:off + 2] = halves[..., i:i + 1].astype(np.float16).view(np.uint8)
+    q = q.reshape(n, -1)
+    return q, dequantize(q, GGMLQuantizationType[qtype]).astype(np.float32).T
+
+
+@pytest.mark.parametrize("qtype", QTYPES + KQUANTS)
+def test_reference_twin_equals_gguf(qtype):
+    """The plain-numpy twin (llama.cpp's loops) dequantizes exactly as gguf does."""
+    make = _kquant_blocks if qtype in KQUANTS else _blocks
+    for n, k in [(1, 256), (13, 768)]:
+        q, w = make(qtype, n, k, seed=n)
+        assert np.array_equal(native.dequantize_reference(q, qtype), w)
+
+
+@pytest.mark.parametrize("qtype", KQUANTS)
+@pytest.mark.parametrize("k,n", [(256, 1), (512, 3), (768, 33), (1024, 17)])
+def test_kquant_kernel_dequantizes_exactly_like_gguf(qtype, k, n):
+    q, w = _kquant_blocks(qtype, n, k, seed=k + n)
+    got = np.asarray(native.quant_matmul(jnp.eye(k, dtype=jnp.float32), jnp.asarray(q), qtype))
+    assert np.array_equal(got, w)  # bit for bit (x = I reads every weight back)
+
+
+@pytest.mark.parametrize("qtype", KQUANTS)
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 23, native.MAX_ROWS])
+@pytest.mark.parametrize("k,n", [(256, 31), (768, 197)])
+def test_kquant_matmul_matches_float32(qtype, m, k, n):
+    q, w = _kquant_blocks(qtype, n, k, seed=3 * m + n)
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.float32)
+    got = jax.jit(native.quant_matmul, static_argnums=2)(x, jnp.asarray(q), qtype)
+    _assert_close(got, x, w)
+    _assert_close(native.quant_matmul_reference(x, q, qtype), x, w)
+    full = native.quant_matmul(jnp.tile(x, (2, 1)), jnp.asarray(q), qtype)  # rows independent
+    assert np.array_equal(np.asarray(full[:m]), np.asarray(got))
+
+
+def test_real_kquant_blocks_of_the_gemma_gguf():
+    """Q4_K / Q6_K / Q5_0 matrices of the Gemma 3 270M GGUF, read by the kernel, equal gguf's
+    dequantization bit for bit."""
+    try:
+        path = gguf_io.builtin_gguf_path("gemma3-270m")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    seen = set()
+    for t in gguf_io.open_gguf(path).tensors:
+        qtype = t.tensor_type.name
+        if qtype not in ("Q4_K", "Q6_K", "Q5_0") or qtype in seen or not t.name.startswith("blk"):
+            continue
+        seen.add(qtype)
+        q = np.array(t.data, np.uint8).reshape(int(t.shape[-1]), -1)[:40]  # 40 output rows
+        want = dequantize(q, t.tensor_type).astype(np.float32).T
+        k = want.shape[0]
+        got = native.quant_matmul(jnp.eye(k, dtype=jnp.float32), jnp.asarray(q), qtype)
+        assert np.array_equal(np.asarray(got), want), t.name
+        assert np.array_equal(native.dequantize_reference(q, qtype), want), t.name
+    assert seen == {"Q4_K", "Q6_K", "Q5_0"}
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -86,9 +155,11 @@ def test_quant_weight_both_paths_and_fusion():
 def test_bad_arguments():
     q, _ = _blocks("Q4_0", 4, 64, 0)
     with pytest.raises(ValueError, match="qtype"):
-        native.quant_matmul(jnp.zeros((1, 64)), jnp.asarray(q), "Q5_0")
+        native.quant_matmul(jnp.zeros((1, 64)), jnp.asarray(q), "Q5_1")
     with pytest.raises(ValueError, match="K"):
         native.quant_matmul(jnp.zeros((1, 96)), jnp.asarray(q), "Q4_0")
+    with pytest.raises(ValueError, match="256"):  # K-quants need K % 256 == 0
+        native.quant_matmul(jnp.zeros((1, 64)), jnp.zeros((4, 36), jnp.uint8), "Q4_K")
     with pytest.raises(TypeError):
         native.quant_matmul(jnp.zeros((1, 64), jnp.bfloat16), jnp.asarray(q), "Q4_0")
     with pytest.raises(ValueError, match="weights"):

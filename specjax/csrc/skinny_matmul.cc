@@ -261,19 +261,27 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 // ------------------------------------------------------------------ GGUF block-quantized weights
 //
 // y[M, N] = x[M, K] @ W where W's column n is GGUF row n, kept as the file's own blocks
-// (wq[N, K / 32 * kBytes] bytes): Q4_0 (f16 d, 16 bytes of nibbles), Q4_1 (f16 d, f16 m,
-// nibbles), Q8_0 (f16 d, 32 int8). Each block of 32 weights is dequantized once per call (for
-// up to kQRows rows; more rows redo it from cache, the bytes stream from memory once) with
-// exactly gguf.quants' float32 arithmetic (d * q, d * q + m: two roundings, never fused; the
-// library is built with -ffp-contract=off), so every weight equals the float32 value the
-// loader's dequantization gives. A row's sum runs over k in the same order whatever M is.
-constexpr int kQK = 32;     // weights per block
+// (wq[N, K / kBlock * kBytes] bytes): Q4_0 (f16 d, 16 bytes of nibbles), Q4_1 (f16 d, f16 m,
+// nibbles), Q5_0 (f16 d, 32 high bits, nibbles), Q8_0 (f16 d, 32 int8) over 32 weights, and the
+// 256-weight K-quant super-blocks Q4_K (f16 d, f16 dmin, 12 bytes of 6-bit scales and mins,
+// 128 bytes of nibbles) and Q6_K (128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales,
+// f16 d), read as 8 sub-blocks of 32. Each 32 weights are dequantized once per call (for up to
+// kQRows rows; more rows redo it from cache, the bytes stream from memory once) with exactly
+// gguf.quants' float32 arithmetic (d * q, d * q + m, (d * sc) * q - dmin * m: every product
+// and sum rounded on its own, never fused; the library is built with -ffp-contract=off), so
+// every weight equals the float32 value the loader's dequantization gives. A row's sum runs
+// over k in the same order whatever M is.
+constexpr int kQK = 32;     // weights per (sub-)block: the unit dequantized into registers
 constexpr int kQRows = 8;   // rows per register block
-enum QType { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+enum QType { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ5_0 = 3, kQ4_K = 4, kQ6_K = 5 };
+// kBytes per block of kSub * 32 weights
 template <int Q> struct QInfo;
-template <> struct QInfo<kQ4_0> { static constexpr int kBytes = 18; };
-template <> struct QInfo<kQ4_1> { static constexpr int kBytes = 20; };
-template <> struct QInfo<kQ8_0> { static constexpr int kBytes = 34; };
+template <> struct QInfo<kQ4_0> { static constexpr int kBytes = 18, kSub = 1; };
+template <> struct QInfo<kQ4_1> { static constexpr int kBytes = 20, kSub = 1; };
+template <> struct QInfo<kQ8_0> { static constexpr int kBytes = 34, kSub = 1; };
+template <> struct QInfo<kQ5_0> { static constexpr int kBytes = 22, kSub = 1; };
+template <> struct QInfo<kQ4_K> { static constexpr int kBytes = 144, kSub = 8; };
+template <> struct QInfo<kQ6_K> { static constexpr int kBytes = 210, kSub = 8; };
 
 inline float LoadHalf(const uint8_t* p) {
   uint16_t h;
@@ -285,9 +293,22 @@ inline float LoadHalf(const uint8_t* p) {
 #endif
 }
 
-// out[32] = one block's weights (gguf.quants.{Q4_0,Q4_1,Q8_0}.dequantize_blocks).
-template <int Q> inline void Dequant(const uint8_t* __restrict b, float* __restrict out);
-template <> inline void Dequant<kQ4_0>(const uint8_t* __restrict b, float* __restrict out) {
+// Q4_K's 6-bit scale and min of sub-block j from its 12 scale bytes (llama.cpp's
+// get_scale_min_k4, gguf.quants.Q4_K.get_scale_min).
+inline void ScaleMinK4(const uint8_t* q, int j, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *mn = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// out[32] = weights s * 32 .. s * 32 + 31 of one block (gguf.quants.<type>.dequantize_blocks;
+// s = 0 for the 32-weight types).
+template <int Q> inline void Dequant(const uint8_t* __restrict b, int s, float* __restrict out);
+template <> inline void Dequant<kQ4_0>(const uint8_t* __restrict b, int, float* __restrict out) {
   const float d = LoadHalf(b);
   const uint8_t* qs = b + 2;
   for (int j = 0; j < 16; ++j) {
@@ -295,7 +316,7 @@ template <> inline void Dequant<kQ4_0>(const uint8_t* __restrict b, float* __res
     out[j + 16] = d * static_cast<float>(static_cast<int>(qs[j] >> 4) - 8);
   }
 }
-template <> inline void Dequant<kQ4_1>(const uint8_t* __restrict b, float* __restrict out) {
+template <> inline void Dequant<kQ4_1>(const uint8_t* __restrict b, int, float* __restrict out) {
   const float d = LoadHalf(b), m = LoadHalf(b + 2);
   const uint8_t* qs = b + 4;
   for (int j = 0; j < 16; ++j) {
@@ -303,10 +324,45 @@ template <> inline void Dequant<kQ4_1>(const uint8_t* __restrict b, float* __res
     out[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
   }
 }
-template <> inline void Dequant<kQ8_0>(const uint8_t* __restrict b, float* __restrict out) {
+template <> inline void Dequant<kQ8_0>(const uint8_t* __restrict b, int, float* __restrict out) {
   const float d = LoadHalf(b);
   const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
   for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(qs[j]) * d;
+}
+template <> inline void Dequant<kQ5_0>(const uint8_t* __restrict b, int, float* __restrict out) {
+  const float d = LoadHalf(b);
+  uint32_t qh;
+  std::memcpy(&qh, b + 2, sizeof qh);
+  const uint8_t* qs = b + 6;
+  for (int j = 0; j < 16; ++j) {
+    const int lo = (qs[j] & 15) | (((qh >> j) & 1) << 4);
+    const int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+    out[j] = d * static_cast<float>(lo - 16);
+    out[j + 16] = d * static_cast<float>(hi - 16);
+  }
+}
+template <> inline void Dequant<kQ4_K>(const uint8_t* __restrict b, int s, float* __restrict out) {
+  int sc, mn;
+  ScaleMinK4(b + 4, s, &sc, &mn);
+  const float dl = LoadHalf(b) * static_cast<float>(sc);
+  const float ml = LoadHalf(b + 2) * static_cast<float>(mn);
+  const uint8_t* qs = b + 16 + (s >> 1) * 32;
+  const int shift = 4 * (s & 1);
+  for (int l = 0; l < 32; ++l) out[l] = dl * static_cast<float>((qs[l] >> shift) & 15) - ml;
+}
+// Q6_K weight e = 128 h + 32 t + l: low nibble (t >> 1) of ql[64 h + 32 (t & 1) + l], high
+// bits 2 t of qh[32 h + l], scale e / 16.
+template <> inline void Dequant<kQ6_K>(const uint8_t* __restrict b, int s, float* __restrict out) {
+  const int h = s >> 2, t = s & 3;
+  const uint8_t* ql = b + 64 * h + 32 * (t & 1);
+  const uint8_t* qh = b + 128 + 32 * h;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 2 * s;
+  const float d = LoadHalf(b + 208);
+  const int lshift = 4 * (t >> 1), hshift = 2 * t;
+  for (int l = 0; l < 32; ++l) {
+    const int q = (((ql[l] >> lshift) & 15) | (((qh[l] >> hshift) & 3) << 4)) - 32;
+    out[l] = (d * static_cast<float>(sc[l >> 4])) * static_cast<float>(q);
+  }
 }
 
 #if defined(__AVX512F__)
@@ -327,19 +383,22 @@ inline float HSum(Vec v) { return v; }
 // One block as kQK / kVec registers: the scalar Dequant through a buffer, or (AVX-512) the
 // same arithmetic on vectors (the products and sums round exactly as the scalar ones do).
 constexpr int kQV = kQK / kVec;
-template <int Q> inline void DequantV(const uint8_t* __restrict b, Vec* out) {
+template <int Q> inline void DequantV(const uint8_t* __restrict b, int s, Vec* out) {
   alignas(64) float buf[kQK];
-  Dequant<Q>(b, buf);
+  Dequant<Q>(b, s, buf);
 #pragma GCC unroll 32
   for (int v = 0; v < kQV; ++v) out[v] = VLoad(buf + v * kVec);
 }
 #if defined(__AVX512F__)
+inline __m512i Bytes16(const uint8_t* p) {  // 16 bytes -> 16 int32 lanes
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 inline void Nibbles(const uint8_t* qs, __m512i* lo, __m512i* hi) {  // elements 0..15, 16..31
-  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m512i q = Bytes16(qs);
   *lo = _mm512_and_si512(q, _mm512_set1_epi32(15));
   *hi = _mm512_srli_epi32(q, 4);
 }
-template <> inline void DequantV<kQ4_0>(const uint8_t* __restrict b, Vec* out) {
+template <> inline void DequantV<kQ4_0>(const uint8_t* __restrict b, int, Vec* out) {
   const __m512 d = _mm512_set1_ps(LoadHalf(b));
   __m512i lo, hi;
   Nibbles(b + 2, &lo, &hi);
@@ -347,18 +406,65 @@ template <> inline void DequantV<kQ4_0>(const uint8_t* __restrict b, Vec* out) {
   out[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)));
   out[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)));
 }
-template <> inline void DequantV<kQ4_1>(const uint8_t* __restrict b, Vec* out) {
+template <> inline void DequantV<kQ4_1>(const uint8_t* __restrict b, int, Vec* out) {
   const __m512 d = _mm512_set1_ps(LoadHalf(b)), m = _mm512_set1_ps(LoadHalf(b + 2));
   __m512i lo, hi;
   Nibbles(b + 4, &lo, &hi);
   out[0] = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), m);
   out[1] = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), m);
 }
-template <> inline void DequantV<kQ8_0>(const uint8_t* __restrict b, Vec* out) {
+template <> inline void DequantV<kQ8_0>(const uint8_t* __restrict b, int, Vec* out) {
   const __m512 d = _mm512_set1_ps(LoadHalf(b));
   const __m128i* qs = reinterpret_cast<const __m128i*>(b + 2);
   out[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs))), d);
   out[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qs + 1))), d);
+}
+template <> inline void DequantV<kQ5_0>(const uint8_t* __restrict b, int, Vec* out) {
+  const __m512 d = _mm512_set1_ps(LoadHalf(b));
+  uint32_t bits;
+  std::memcpy(&bits, b + 2, sizeof bits);
+  const __m512i qh = _mm512_set1_epi32(static_cast<int>(bits)), one = _mm512_set1_epi32(1);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i h0 = _mm512_and_si512(_mm512_srlv_epi32(qh, lane), one);
+  const __m512i lane16 = _mm512_add_epi32(lane, _mm512_set1_epi32(16));
+  const __m512i h1 = _mm512_and_si512(_mm512_srlv_epi32(qh, lane16), one);
+  __m512i lo, hi;
+  Nibbles(b + 6, &lo, &hi);
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  lo = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(h0, 4)), sixteen);
+  hi = _mm512_sub_epi32(_mm512_or_si512(hi, _mm512_slli_epi32(h1, 4)), sixteen);
+  out[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo));
+  out[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi));
+}
+template <> inline void DequantV<kQ4_K>(const uint8_t* __restrict b, int s, Vec* out) {
+  int sc, mn;
+  ScaleMinK4(b + 4, s, &sc, &mn);
+  const __m512 dl = _mm512_set1_ps(LoadHalf(b) * static_cast<float>(sc));
+  const __m512 ml = _mm512_set1_ps(LoadHalf(b + 2) * static_cast<float>(mn));
+  const uint8_t* qs = b + 16 + (s >> 1) * 32;
+  const __m128i shift = _mm_cvtsi32_si128(4 * (s & 1));
+  for (int v = 0; v < 2; ++v) {
+    const __m512i q = _mm512_and_si512(_mm512_srl_epi32(Bytes16(qs + 16 * v), shift),
+                                       _mm512_set1_epi32(15));
+    out[v] = _mm512_sub_ps(_mm512_mul_ps(dl, _mm512_cvtepi32_ps(q)), ml);
+  }
+}
+template <> inline void DequantV<kQ6_K>(const uint8_t* __restrict b, int s, Vec* out) {
+  const int h = s >> 2, t = s & 3;
+  const uint8_t* ql = b + 64 * h + 32 * (t & 1);
+  const uint8_t* qh = b + 128 + 32 * h;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 2 * s;
+  const float d = LoadHalf(b + 208);
+  const __m128i ls = _mm_cvtsi32_si128(4 * (t >> 1)), hs = _mm_cvtsi32_si128(2 * t);
+  for (int v = 0; v < 2; ++v) {
+    const __m512i lo = _mm512_and_si512(_mm512_srl_epi32(Bytes16(ql + 16 * v), ls),
+                                        _mm512_set1_epi32(15));
+    const __m512i hi = _mm512_and_si512(_mm512_srl_epi32(Bytes16(qh + 16 * v), hs),
+                                        _mm512_set1_epi32(3));
+    const __m512i q = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)),
+                                       _mm512_set1_epi32(32));
+    out[v] = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc[v])), _mm512_cvtepi32_ps(q));
+  }
 }
 #endif
 
@@ -366,23 +472,26 @@ template <> inline void DequantV<kQ8_0>(const uint8_t* __restrict b, Vec* out) {
 template <int Q, int M, int NR>
 inline void QuantOutputs(const uint8_t* __restrict wq, const float* __restrict x,
                          float* __restrict y, int64_t K, int64_t N, int64_t n) {
-  constexpr int kB = QInfo<Q>::kBytes;
-  const int64_t nb = K / kQK, rb = nb * kB;
+  constexpr int kB = QInfo<Q>::kBytes, kS = QInfo<Q>::kSub;
+  const int64_t nb = K / (kQK * kS), rb = nb * kB;
   Vec acc[NR][M];
 #pragma GCC unroll 16
   for (int i = 0; i < NR * M; ++i) (&acc[0][0])[i] = VZero();
   for (int64_t b = 0; b < nb; ++b) {
-    Vec w[NR][kQV];
-#pragma GCC unroll 4
-    for (int r = 0; r < NR; ++r) DequantV<Q>(wq + (n + r) * rb + b * kB, w[r]);
 #pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const float* xm = x + m * K + b * kQK;
+    for (int s = 0; s < kS; ++s) {
+      Vec w[NR][kQV];
 #pragma GCC unroll 4
-      for (int r = 0; r < NR; ++r)
+      for (int r = 0; r < NR; ++r) DequantV<Q>(wq + (n + r) * rb + b * kB, s, w[r]);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const float* xm = x + m * K + (b * kS + s) * kQK;
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 32
-        for (int v = 0; v < kQV; ++v)
-          acc[r][m] = VFmaV(w[r][v], VLoad(xm + v * kVec), acc[r][m]);
+          for (int v = 0; v < kQV; ++v)
+            acc[r][m] = VFmaV(w[r][v], VLoad(xm + v * kVec), acc[r][m]);
+      }
     }
   }
   for (int r = 0; r < NR; ++r)
@@ -443,7 +552,8 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("quant_matmul: x [M, K], wq [N, bytes], y [M, N]");
   const int64_t M = xd[0], K = xd[1], N = yd[1];
-  if (K % kQK != 0 || wd[0] != N || wd[1] != K / kQK * QInfo<Q>::kBytes || yd[0] != M)
+  constexpr int64_t kBlock = kQK * QInfo<Q>::kSub;
+  if (K % kBlock != 0 || wd[0] != N || wd[1] != K / kBlock * QInfo<Q>::kBytes || yd[0] != M)
     return ffi::Error::InvalidArgument("quant_matmul: shapes do not agree");
   auto work = std::make_shared<QuantWork<Q>>();
   work->wq = wq.typed_data();
@@ -491,5 +601,8 @@ SPECJAX_HANDLER(SpecjaxSkinnyMatmulBF16, BF16Tag, ffi::BF16)
 SPECJAX_QHANDLER(SpecjaxQuantMatmulQ4_0, kQ4_0)
 SPECJAX_QHANDLER(SpecjaxQuantMatmulQ4_1, kQ4_1)
 SPECJAX_QHANDLER(SpecjaxQuantMatmulQ8_0, kQ8_0)
+SPECJAX_QHANDLER(SpecjaxQuantMatmulQ5_0, kQ5_0)
+SPECJAX_QHANDLER(SpecjaxQuantMatmulQ4_K, kQ4_K)
+SPECJAX_QHANDLER(SpecjaxQuantMatmulQ6_K, kQ6_K)
 #undef SPECJAX_QHANDLER
 #undef SPECJAX_HANDLER

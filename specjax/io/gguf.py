@@ -406,8 +406,10 @@ def load_gguf_blocks(path: str | os.PathLike, cfg: ModelConfig,
     ``[in, out]`` weight ``load_gguf`` returns, Q/K rows un-permuted the same way, so
     ``gguf.quants.dequantize(q, qtype)`` is exactly that weight transposed. ``lm_head`` is
     ``output.weight``, or ``token_embd.weight`` when tied. Tensors of other types are left out.
+    A ``gemma3`` file (``cfg`` a Gemma3Config) keeps HF row order: nothing to un-permute.
     """
     reader = open_gguf(path)
+    arch = gguf_metadata(reader, ("general.architecture",)).get("general.architecture")
     tensors = {t.name: t for t in reader.tensors}
     layers: list[dict] = [dict() for _ in range(cfg.num_layers)]
 
@@ -425,7 +427,7 @@ def load_gguf_blocks(path: str | os.PathLike, cfg: ModelConfig,
         b = blocks(tensor) if layer < cfg.num_layers else None
         if b is None:
             continue
-        if kind in ("attn_q", "attn_k"):
+        if kind in ("attn_q", "attn_k") and arch != "gemma3":
             b = (b[0], unpermute_rope_rows(b[1], cfg.num_heads if kind == "attn_q"
                                            else cfg.num_kv_heads))
         layers[layer][_LAYER_TENSORS[kind][0]] = (b[0], np.ascontiguousarray(b[1]))
