@@ -117,6 +117,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (>= 3) after a warm-up")
     p.add_argument("--k-ngram", type=int, default=3)
+    p.add_argument("--head-ks", default="1,2,3,4", help="fixed k of the head parts (comma list; "
+                   "adaptive runs with K = the largest)")
     p.add_argument("--parts", default="reuse,useless,head")
     p.add_argument("--no-hf", dest="hf", action="store_false")
     p.add_argument("--wait-idle", type=float, default=0.0)
@@ -125,6 +127,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 3:
         p.error("--rounds must be >= 3 (median and spread over interleaved rounds)")
+    head_ks = [int(k) for k in args.head_ks.split(",")]
+    if not head_ks or min(head_ks) < 1:
+        p.error(f"--head-ks must be a comma list of k >= 1, got {args.head_ks!r}")
+    kmax = max(head_ks)
     target, reuse, chat, head = tiny_setup() if args.tiny else smollm2_setup(args)
     n = args.max_new_tokens
     parts = args.parts.split(",")
@@ -158,14 +164,14 @@ def main(argv=None) -> int:
         for label, prompts in (("head_chat", chat), ("head_reuse", reuse)):
             cases = [_case(target, "specjax plain", "none", None, 1, n)]
             cases += [_case(target, f"{method} k={k}", method, hd, k, n, desc=desc)
-                      for k in (1, 2, 3, 4)]
-            cases.append(_case(target, f"{method} adaptive K=4", method, hd, 4, n, adaptive=True,
-                               desc=desc))
+                      for k in head_ks]
+            cases.append(_case(target, f"{method} adaptive K={kmax}", method, hd, kmax,
+                               n, adaptive=True, desc=desc))
             summ = _summarise(_measure(cases, prompts, args), "specjax plain")
             best = max((v["median_tok_s"], k) for k, v in summ.items() if "k=" in k)
             summ["adaptive_vs_best_fixed"] = {
                 "best_fixed": best[1],
-                "ratio": summ[f"{method} adaptive K=4"]["median_tok_s"] / best[0]}
+                "ratio": summ[f"{method} adaptive K={kmax}"]["median_tok_s"] / best[0]}
             report[label] = summ
 
     fcs = [v.get("max_foreign_cpu") for part in report.values() if isinstance(part, dict)

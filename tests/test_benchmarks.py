@@ -216,9 +216,13 @@ def test_bench_ngram_tiny(tmp_path):
     pytest.importorskip("torch")
     mod = _load("bench_ngram")
     out = tmp_path / "ngram.json"
-    assert mod.main(["--tiny", "--rounds", "3", "--no-progress", "--out", str(out)]) == 0
+    # 16 tokens and the head parts at k = 1, 3 (+ adaptive K = 3): every part and kind of case,
+    # a third of the default's compiled programs (compiling dominated: 377 s at 64 tokens, k 1-4)
+    assert mod.main(["--tiny", "--rounds", "3", "--no-progress", "--out", str(out),
+                     "--max-new-tokens", "16", "--head-ks", "1,3"]) == 0
     data = json.load(open(out))
     assert data["tiny"] and data["rounds"] == 3
+    assert {"mtp k=1", "mtp k=3", "mtp adaptive K=3"} <= set(data["head_chat"])
     for part in ("reuse", "useless", "head_chat", "head_reuse"):
         cases = {k: v for k, v in data[part].items() if "median_tok_s" in v}
         assert "specjax plain" in cases, part

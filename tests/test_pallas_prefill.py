@@ -23,14 +23,19 @@ REPRESENTATIVE = [  # (page_size, Hkv, G, dtype, block_rows, block_keys); with t
 class TestPrefillAttentionInterpret:
     INTERPRET = True
     HEAD_DIM = 8
+    # The cross-product's prompts. Interpreted, a 1023-token prompt costs up to ~100 s per shape;
+    # 255 tokens still span several row blocks, key steps and pages of every size (the 1023-token
+    # prompts run in test_matches_reference, and in the whole cross-product on the GPU).
+    ALL_SHAPES_LENGTHS = (1, 3, 129, 255)
 
     def _run(self, *args, **kw):
         return pf.prefill_attention(*args, interpret=self.INTERPRET, **kw)
 
-    def _prompts(self, page_size, hkv, g, dtype, **sizes):
-        """Fresh prompts of 1, 3, 513 and 1023 tokens padded to T = 1023."""
-        args = poisoned_case(0, (0, 0, 0, 0), 1023, hkv, g, page_size, dtype,
-                             num_new=(1, 3, 513, 1023), d=self.HEAD_DIM)
+    def _prompts(self, page_size, hkv, g, dtype, lengths=(1, 3, 513, 1023), **sizes):
+        """Fresh prompts of ``lengths`` tokens (default 1, 3, 513 and 1023) padded to the
+        longest."""
+        args = poisoned_case(0, (0,) * len(lengths), max(lengths), hkv, g, page_size, dtype,
+                             num_new=lengths, d=self.HEAD_DIM)
         check(self._run(*args, block_sizes=pf.BlockSizes(**sizes)), reference(*args), dtype)
 
     @pytest.mark.parametrize("page_size,hkv,g,dtype,block_rows,block_keys", REPRESENTATIVE)
@@ -42,7 +47,7 @@ class TestPrefillAttentionInterpret:
     @pytest.mark.parametrize("hkv,g", KV_GROUPS)
     @pytest.mark.parametrize("page_size", PAGE_SIZES)
     def test_matches_reference_all_shapes(self, page_size, hkv, g, dtype):
-        self._prompts(page_size, hkv, g, dtype)
+        self._prompts(page_size, hkv, g, dtype, self.ALL_SHAPES_LENGTHS)
 
     def test_chunked_prefill_after_cached_prefix(self):
         """Chunks of 40 (or fewer) tokens after cached prefixes of 0, 3, 513 and 1 tokens; the
@@ -74,6 +79,7 @@ class TestPrefillAttentionInterpret:
 class TestPrefillAttentionGPU(TestPrefillAttentionInterpret):
     INTERPRET = False
     HEAD_DIM = 64
+    ALL_SHAPES_LENGTHS = (1, 3, 513, 1023)
 
 
 def test_dispatch_rule(monkeypatch):

@@ -26,7 +26,7 @@ from specjax.config import ModelConfig
 from specjax.model import Model, init_params
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+FAST_XLA = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 TIMEOUT_S = 900
 # Split over two processes so that both cores work; together: every mesh, method, KV layout
 # and draft placement (see _sharding_check.DEFAULT).
