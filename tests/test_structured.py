@@ -19,6 +19,7 @@ xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 import specjax as sj  # noqa: E402
+from specjax import dflash, peagle  # noqa: E402
 from specjax.config import SpecConfig  # noqa: E402
 from specjax.engine import Engine, EngineConfig, RequestParams  # noqa: E402
 from specjax.heads import Head, HeadConfig, init_head  # noqa: E402
@@ -62,12 +63,28 @@ def setup(tmp_path_factory):
     target = tiny_model(0, vocab=64, eos=2)
 
     def head(kind):
-        cfg = HeadConfig.for_target(target.config, kind)
+        aux = (0, 1, 1) if kind == "eagle3" else None  # the 2-layer target's features
+        cfg = HeadConfig.for_target(target.config, kind, aux_layers=aux)
         return Head(init_head(cfg, jax.random.key(3), scale=1.0), cfg)
 
+    tc = target.config
+    block = dflash.DFlashConfig(num_layers=1, hidden_size=tc.hidden_size, num_heads=4,
+                                num_kv_heads=2, head_dim=8, intermediate_size=40, block_size=K + 1,
+                                mask_token_id=5, target_layer_ids=(0,),
+                                target_hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
+                                rope_theta=10000.0)
+    parallel = peagle.PEagleConfig(HeadConfig.for_target(tc, "eagle3", aux_layers=(0, 1, 1)),
+                                   mask_token_id=5,
+                                   num_depths=K)
     # the whole target as its draft: its greedy drafts are accepted wherever they are valid
-    drafts = {"none": None, "draft": sj.early_exit_draft(target, target.config.num_layers),
-              "mtp": head("mtp"), "eagle-tree": head("eagle"), "ngram": None}
+    whole = sj.early_exit_draft(target, target.config.num_layers)
+    drafts = {"none": None, "draft": whole, "mtp": head("mtp"), "eagle-tree": head("eagle"),
+              "ngram": None, "eagle3": head("eagle3"),
+              "dflash": dflash.DFlashHead(dflash.init_params(block, jax.random.key(4), scale=0.5),
+                                          block),
+              "peagle": peagle.PEagleHead(peagle.init_params(parallel, jax.random.key(5),
+                                                             scale=0.5), parallel),
+              "hybrid": whole, "adaptive": whole}
     return {"tok": tok, "target": target, "drafts": drafts, "engines": {}}
 
 
@@ -76,7 +93,12 @@ def engine_for(setup, method):
         kw = {"tree": TreeConfig(depth=3, top_k=2, num_nodes=6)} if method == "eagle-tree" else {}
         if method == "ngram":
             kw = dict(ngram_min=1, ngram_max=2)
-        spec = SpecConfig(method=method, num_draft_tokens=K, page_size=4, **kw)
+        if method == "hybrid":  # n-gram matches of >= 1 token preferred over the draft's
+            kw = dict(ngram_min=1, ngram_max=2, hybrid_min=1)
+        if method == "adaptive":
+            kw = dict(adaptive=True)
+        spec = SpecConfig(method={"hybrid": "draft", "adaptive": "draft"}.get(method, method),
+                          num_draft_tokens=K, page_size=4, **kw)
         setup["engines"][method] = Engine(setup["target"], setup["drafts"][method],
                                           EngineConfig(spec, **ENGINE), tokenizer=setup["tok"])
     return setup["engines"][method]
@@ -121,7 +143,8 @@ def reference(setup):
     return together, alone
 
 
-@pytest.mark.parametrize("method", ["draft", "mtp", "ngram", "eagle-tree"])
+@pytest.mark.parametrize("method", ["draft", "mtp", "ngram", "eagle-tree", "eagle3", "dflash",
+                                    "peagle", "hybrid", "adaptive"])
 def test_greedy_constrained_output_is_identical_with_speculation(setup, reference, method):
     tok = setup["tok"]
     eng = engine_for(setup, method)
@@ -137,7 +160,7 @@ def test_greedy_constrained_output_is_identical_with_speculation(setup, referenc
         assert rows[-1][0] == alone[i], "a free row beside constrained ones changed"  # (d)
     s = eng.stats()
     assert s["structured_steps"] > 0 and s["spec_decode_num_drafts"] > 0
-    if method == "draft":  # the target drafting for itself: valid drafts are accepted
+    if method in ("draft", "hybrid"):  # the target drafting for itself: valid drafts accepted
         assert s["spec_decode_num_accepted_tokens"] > 0
 
 

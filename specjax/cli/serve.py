@@ -40,6 +40,10 @@ def add_parser(sub) -> None:
     sv.add_argument("--seed", type=int, default=0, help="seeds requests sent without a seed")
     sv.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="do not compile every step variant before serving")
+    sv.add_argument("--warmup-structured", action="store_true",
+                    help="also compile the grammar-masked twin of every step variant, so the "
+                         "first structured-output request compiles nothing (doubles warm-up; "
+                         "not with --no-warmup)")
     sv.add_argument("--log-level", default="info", help="uvicorn log level")
     sv.set_defaults(run=run)
 
@@ -69,12 +73,13 @@ def run(args) -> int:
         batch_buckets=_ints(args.batch_buckets), token_buckets=_ints(args.token_buckets),
         seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
         num_speculative_tokens_per_batch_size=args.num_speculative_tokens_per_batch_size)
-    engine = Engine(loaded.target, loaded.draft, config)
+    engine = Engine(loaded.target, loaded.draft, config, tokenizer=loaded.tok)
     serve_app.compile_counter()  # count from here: /health reports warm-up compiles too
     if args.warmup:
         t0 = time.perf_counter()
-        n = engine.warmup()
-        C.log(f"compiled {n} step variants in {time.perf_counter() - t0:.1f}s")
+        n = engine.warmup(structured=args.warmup_structured)
+        twins = " and their masked twins" if args.warmup_structured else ""
+        C.log(f"compiled {n} step variants{twins} in {time.perf_counter() - t0:.1f}s")
     name = args.served_model_name or args.model
     C.log(f"serving {name!r} (method {spec.method}, {C.describe(spec)}, draft "
           f"{loaded.draft_name}) on http://{args.host}:{args.port}/v1")
