@@ -115,16 +115,16 @@ def test_top_k_one_is_greedy(model):
 
 
 def test_batch_sizes_share_compilations(model):
-    from specjax import speculate
+    from tests.test_engine import COMPILES  # XLA's compile events (jax.monitoring)
     sj.generate(model, [[1, 2]] * 3, max_new_tokens=5, eos_token_id=[])
-    before = speculate.generate_device._cache_size()
+    before = COMPILES.count
     a = sj.generate(model, [[1, 2], [3], [4, 5], [6]], max_new_tokens=5, eos_token_id=[4])
     b = sj.generate(model, [[1, 2], [3], [4, 5]], max_new_tokens=7, eos_token_id=[4, 5],
                     num_draft_tokens=2)  # ignored by method="none"
     c = sj.generate(model, [[1, 2], [3], [4, 5]], max_new_tokens=5, eos_token_id=[4])
     d = sj.generate(model, [[1, 2], [3], [4, 5]], max_new_tokens=5, eos_token_id=[4],
                     spec=sj.SpecConfig(num_draft_tokens=9, page_size=16))  # the same config
-    assert speculate.generate_device._cache_size() == before  # batch 3/4, eos 0-2 ids, k: one compile
+    assert COMPILES.count == before  # batch 3/4, eos 0-2 ids, k: one compile
     assert a.tokens[:3] == c.tokens == d.tokens  # padding rows change nothing
     assert len(b.tokens) == 3
 

@@ -203,7 +203,7 @@ def test_continuous_load_is_exact_leak_free_and_compiles_nothing(target, drafts,
     params, want = with_stops(reqs, target, seed=2)
     engine = make_engine(target, drafts, method, schedule=schedule)
     assert engine.warmup() == 2
-    compiled, before = steps.compiled_variants(), COMPILES.count
+    before = COMPILES.count
     start = engine.allocator.snapshot()
 
     handles = drive(engine, reqs, params, seed=3)
@@ -214,7 +214,7 @@ def test_continuous_load_is_exact_leak_free_and_compiles_nothing(target, drafts,
     assert all(h.finished for h in handles)
     assert engine.allocator.snapshot() == start  # no page leaked
     assert engine.scheduler.free_slots and sorted(engine.scheduler.free_slots) == list(range(8))
-    assert COMPILES.count == before and steps.compiled_variants() == compiled  # no recompilation
+    assert COMPILES.count == before  # no recompilation (XLA's compile events, jax.monitoring)
     stats = engine.stats()
     assert stats["request_success_total"] == len(reqs)
     assert stats["generation_tokens_total"] == sum(map(len, want))

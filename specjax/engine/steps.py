@@ -357,10 +357,3 @@ extend_step = jax.jit(_extend, static_argnames=_STATIC, donate_argnums=(2,))
 spec_decode_step = jax.jit(_spec_decode, static_argnames=_STATIC, donate_argnums=(2,))
 spec_propose_step = jax.jit(_spec_propose, static_argnames=_STATIC, donate_argnums=(2,))
 spec_verify_step = jax.jit(_spec_verify, static_argnames=_STATIC, donate_argnums=(2,))
-
-
-def compiled_variants() -> int:
-    """Compiled executables held by the engine's step functions (all engines in the process)."""
-    return (extend_step._cache_size() + spec_decode_step._cache_size()
-            + spec_propose_step._cache_size() + spec_verify_step._cache_size())
-
