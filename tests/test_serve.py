@@ -283,6 +283,29 @@ def test_models_health_metrics(files, server, client):
     assert gauges == {"vllm:num_requests_running": 0, "specjax:kv_pages_in_use": 0}
 
 
+def test_warmup_structured_leaves_nothing_to_compile(files):
+    """``serve --warmup-structured`` compiles the masked step variants too: a constrained request
+    (vLLM's guided_choice, here over the tiny tokenizer's characters) compiles nothing more."""
+    proc, url = start_server(files, "--draft", str(files["root"] / "draft"), "--method", "draft",
+                             "-k", "3", "--warmup-structured")
+    try:
+        before = health(url)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        for prompt in ("pick one", "again, pick"):
+            r = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=M,
+                temperature=0, extra_body={"guided_choice": ["abc", "ba", "cab cab"]})
+            assert r.choices[0].message.content in ("abc", "ba", "cab cab")
+        after = health(url)
+        assert before["compiles"] > 0 and after["compiles"] == before["compiles"]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 # ----------------------------------------------------------------------------------- load
 
 
