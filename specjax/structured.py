@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 from typing import Any
 
@@ -167,6 +168,7 @@ class GrammarCompiler:
                 compiled = c.compile_grammar(constraint.value)
         except (RuntimeError, ValueError, TypeError) as e:
             msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            msg = re.sub(r"^\[[0-9:.]+\]\s+\S+:\d+:\s*", "", msg)  # xgrammar's "[time] file:line:"
             raise ValueError(f"invalid {kind}: {msg}") from None
         with self._lock:
             if len(self._cache) >= self._cache_size:
