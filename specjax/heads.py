@@ -105,12 +105,12 @@ class HeadConfig:
         EAGLE-3, False for EAGLE-1; an EAGLE-3 head fuses ``aux_layers`` (default
         ``default_aux_layers``). The block's per-layer fields (a Gemma 3 window and RoPE base)
         are those of the target's last layer; an EAGLE-3 midlayer is a Llama layer
-        (``eagle3_layer``) whatever the target's family."""
+        (``llama_block_config``) whatever the target's family."""
         norms = (kind != "eagle") if norms is None else norms
         if kind == "eagle3":
             aux_layers = default_aux_layers(target_cfg.num_layers) if aux_layers is None \
                 else tuple(aux_layers)
-            layer = eagle3_layer(target_cfg)
+            layer = llama_block_config(target_cfg)
         else:
             layer = target_cfg.with_layers((target_cfg.num_layers - 1,))  # Gemma: last layer's type
         return cls(kind=kind, layer=layer, norms=norms,
@@ -120,12 +120,13 @@ class HeadConfig:
 KINDS = ("mtp", "eagle", "eagle3")
 
 
-def eagle3_layer(target_cfg) -> ModelConfig:
-    """The config of a new EAGLE-3 head's midlayer for ``target_cfg``: a one-layer Llama
-    ``ModelConfig`` (the reference ``LlamaForCausalLMEagle3``; ``io.heads_io.load_eagle3`` reads
-    one too) with the target's sizes, whatever the target's family (a Gemma 3 or Qwen3-MoE
-    target's extra fields are dropped). A target without Llama attention sizes (DeepSeek's MLA)
-    gets its H query heads, its ``num_kv_heads`` and D = E // H (rounded down to even)."""
+def llama_block_config(target_cfg) -> ModelConfig:
+    """A one-layer Llama ``ModelConfig`` with the target's sizes, whatever the target's family
+    (a Gemma 3 or Qwen3-MoE target's extra fields are dropped): a new EAGLE-3 head's midlayer
+    (the reference ``LlamaForCausalLMEagle3``; ``io.heads_io.load_eagle3`` reads one too) and
+    the widths of a new DFlash drafter (``train.dflash_train.drafter_config``). A target
+    without Llama attention sizes (DeepSeek's MLA) gets its H query heads, its
+    ``num_kv_heads`` and D = E // H (rounded down to even)."""
     kw = {f.name: getattr(target_cfg, f.name) for f in dataclasses.fields(ModelConfig)
           if hasattr(target_cfg, f.name)}
     if "head_dim" not in kw:
