@@ -98,6 +98,9 @@ def test_json_object_and_vllm_fields(served):
     ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs"),  # not a bool
     ({"structured_outputs": {"json_object": 1}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "(?=a)b"}}, "structured_outputs"),  # xgrammar: no lookahead
+    # no token can start it (not in the character vocabulary): was a 200 "abort" with no text
+    ({"guided_regex": "€+"}, "guided_regex"),
+    ({"guided_choice": ["€", "Q"]}, "guided_choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
      "response_format"),
 ])
