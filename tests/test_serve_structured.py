@@ -103,6 +103,9 @@ def test_json_object_and_vllm_fields(served):
     ({"guided_choice": ["€", "Q"]}, "guided_choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
      "response_format"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}},
+     "response_format"),
 ])
 def test_rejected_constraint_is_a_400_naming_the_field(served, extra, param):
     client = served["client"]

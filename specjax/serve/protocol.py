@@ -181,6 +181,10 @@ def _response_format(rf: dict) -> Constraint | None:
             raise ValueError(f"json_schema has unknown fields {sorted(extra)}")
         if "schema" not in js:
             raise ValueError("json_schema.schema is required")
+        if not isinstance(js.get("strict", False), (bool, type(None))) \
+                or not isinstance(js.get("description", ""), (str, type(None))):
+            raise ValueError("json_schema.strict must be a bool and json_schema.description a "
+                             "string")
         return Constraint.json_schema(js["schema"])
     raise ValueError('must be {"type": "text"}, {"type": "json_object"} or {"type": '
                      '"json_schema", "json_schema": {"name", "schema", "strict"}}')
