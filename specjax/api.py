@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import os
 import time
 from typing import Sequence
@@ -150,10 +151,14 @@ def early_exit_draft(target: Model, num_layers: int) -> Model:
     Needs no training (a layer-skip "self-speculative" draft): a baseline draft for any target,
     sharing its vocabulary and weights (no extra memory beyond its own KV cache).
     """
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) \
+    if not isinstance(target, Model):
+        raise TypeError(f"early_exit_draft: target must be a specjax Model, got "
+                        f"{type(target).__name__}")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral) \
             or not 1 <= num_layers <= target.config.num_layers:
         raise ValueError(f"num_layers must be an int in [1, {target.config.num_layers}], "
                          f"got {num_layers!r}")
+    num_layers = int(num_layers)
     cfg = target.config.with_layers(range(num_layers))
     params = dict(target.params, layers=list(target.params["layers"][:num_layers]))
     return Model(params=params, config=cfg, source=f"{target.source}[:{num_layers}]")
@@ -548,6 +553,9 @@ def _validate(target, draft, spec: SpecConfig, prompts, max_new_tokens, temperat
             if target.source not in BUILTIN_MODELS:
                 raise ValueError("string prompts need tokenizer=... for a non-built-in model")
             tokenizer = load_tokenizer(target.source)
+        if not callable(getattr(tokenizer, "encode", None)):
+            raise TypeError(f"tokenizer must have an encode(str) method (a specjax or "
+                            f"transformers tokenizer), got {type(tokenizer).__name__}")
         prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
     b = len(prompts)
     temps = _per_row(temperature, b, "temperature")

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kv_cache, registry
-from specjax.config import ModelConfig
+from specjax.config import ModelConfig, RopeScaling
 from specjax.model import decoder_layer, embed, rms_norm, valid_mask
 
 
@@ -104,17 +104,36 @@ class HeadConfig:
         """A head whose block has the target's dimensions. norms defaults to True for MTP and
         EAGLE-3, False for EAGLE-1; an EAGLE-3 head fuses ``aux_layers`` (default
         ``default_aux_layers``). The block's per-layer fields (a Gemma 3 window and RoPE base)
-        are those of the target's last layer."""
+        are those of the target's last layer; an EAGLE-3 midlayer is a Llama layer
+        (``llama_block_config``) whatever the target's family."""
         norms = (kind != "eagle") if norms is None else norms
         if kind == "eagle3":
             aux_layers = default_aux_layers(target_cfg.num_layers) if aux_layers is None \
                 else tuple(aux_layers)
-        layer = target_cfg.with_layers((target_cfg.num_layers - 1,))  # Gemma: the last layer's type
+            layer = llama_block_config(target_cfg)
+        else:
+            layer = target_cfg.with_layers((target_cfg.num_layers - 1,))  # Gemma: last layer's type
         return cls(kind=kind, layer=layer, norms=norms,
                    fc_bias=(kind == "eagle" and not norms), aux_layers=aux_layers or ())
 
 
 KINDS = ("mtp", "eagle", "eagle3")
+
+
+def llama_block_config(target_cfg) -> ModelConfig:
+    """A one-layer Llama ``ModelConfig`` with the target's sizes, whatever the target's family
+    (a Gemma 3 or Qwen3-MoE target's extra fields are dropped): a new EAGLE-3 head's midlayer
+    (the reference ``LlamaForCausalLMEagle3``; ``io.heads_io.load_eagle3`` reads one too) and
+    the widths of a new DFlash drafter (``train.dflash_train.drafter_config``). A target
+    without Llama attention sizes (DeepSeek's MLA) gets its H query heads, its
+    ``num_kv_heads`` and D = E // H (rounded down to even)."""
+    kw = {f.name: getattr(target_cfg, f.name) for f in dataclasses.fields(ModelConfig)
+          if hasattr(target_cfg, f.name)}
+    if "head_dim" not in kw:
+        kw["head_dim"] = max(2, target_cfg.hidden_size // target_cfg.num_heads // 2 * 2)
+    if not isinstance(kw.get("rope_scaling"), RopeScaling):
+        kw["rope_scaling"] = None  # another family's scaling (DeepSeek's YaRN): plain RoPE
+    return ModelConfig(**dict(kw, num_layers=1))
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:

@@ -8,7 +8,8 @@ the stop tokens are allowed exactly where the grammar may end). specjax writes n
 * ``Constraint``: a frozen, hashable description (json_schema / json_object / regex / choice /
   grammar). ``Constraint.key`` identifies the compiled grammar.
 * ``GrammarCompiler``: one per tokenizer; ``compile(constraint)`` raises ValueError naming what
-  is wrong (an invalid schema, regex or grammar) and caches compiled grammars by key.
+  is wrong (an invalid schema, regex or grammar, or one whose output no token of the
+  vocabulary can start) and caches compiled grammars by key.
 * ``Matcher``: one per request, on the engine's thread. ``mask()`` is the bitmask at the current
   state; ``accept(tokens)`` advances over the longest valid prefix of ``tokens`` and returns its
   length; ``rollback(n)`` undoes n tokens; ``chain_masks`` / ``tree_masks`` give the masks a
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 from typing import Any
 
@@ -167,7 +169,13 @@ class GrammarCompiler:
                 compiled = c.compile_grammar(constraint.value)
         except (RuntimeError, ValueError, TypeError) as e:
             msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            msg = re.sub(r"^\[[0-9:.]+\]\s+\S+:\d+:\s*", "", msg)  # xgrammar's "[time] file:line:"
             raise ValueError(f"invalid {kind}: {msg}") from None
+        first = np.zeros((1, self.words), np.int32)
+        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(first, 0)
+        if not first.any():  # else every request with it would end at once, unanswered
+            raise ValueError(f"invalid {kind}: no token of the vocabulary can start an output "
+                             "that matches it")
         with self._lock:
             if len(self._cache) >= self._cache_size:
                 self._cache.pop(next(iter(self._cache)))  # oldest first

@@ -60,6 +60,20 @@ def test_bad_input_is_a_clear_error(model, kwargs, match):
         sj.generate(model, **args)
 
 
+def test_early_exit_draft_and_tokenizer_arguments_are_checked(model):
+    """A non-Model target and a tokenizer without encode() used to be AttributeErrors from
+    inside; a numpy int layer count is an int."""
+    for bad in (None, "smollm2-135m", model.params):
+        with pytest.raises(TypeError, match="early_exit_draft: target must be a specjax Model"):
+            sj.early_exit_draft(bad, 1)
+    for n in (0, 3, 1.0, True, None):
+        with pytest.raises(ValueError, match="num_layers must be an int in \\[1, 2\\]"):
+            sj.early_exit_draft(model, n)
+    assert sj.early_exit_draft(model, np.int64(1)).config.num_layers == 1
+    with pytest.raises(TypeError, match="tokenizer must have an encode"):
+        sj.generate(model, ["hi"], tokenizer=5)
+
+
 def test_draft_vocab_mismatch(model):
     other = tiny_model(8, vocab=65)
     with pytest.raises(ValueError, match="vocab_size 65 != target vocab_size 64"):

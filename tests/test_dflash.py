@@ -302,3 +302,22 @@ def test_train_entry_point_resumes_and_exports(setup, tmp_path):
     assert head.config.block_size == 4 and head.config.target_layer_ids == (0, 2)
     with open(tmp_path / "run" / "held_out.json") as f:
         assert np.isfinite(json.load(f)["loss"])
+
+
+def test_drafter_config_for_a_deepseek_target():
+    """train.dflash_train.drafter_config read the target's head_dim, which a DeepSeek (MLA)
+    config lacks (AttributeError); it now takes the Llama widths of heads.llama_block_config,
+    unchanged for a Llama target."""
+    from specjax.deepseek import DeepseekConfig  # noqa: PLC0415
+    from specjax.train.dflash_train import drafter_config  # noqa: PLC0415
+
+    ds = DeepseekConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                        moe_intermediate_size=16, num_layers=6, num_heads=4, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4)
+    dc = drafter_config(ds, block_size=4, mask_token_id=3)
+    dc.check_target(ds)
+    assert (dc.hidden_size, dc.num_heads, dc.head_dim) == (32, 4, 8)
+    llama = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=6,
+                           num_heads=4, num_kv_heads=2, head_dim=16)
+    dc = drafter_config(llama, block_size=4, mask_token_id=3)
+    assert (dc.num_kv_heads, dc.head_dim, dc.intermediate_size) == (2, 16, 48)

@@ -426,3 +426,45 @@ def test_biased_acceptance_fails_with_an_eagle3_head(dist_head, monkeypatch):
         monkeypatch.undo()
         jax.clear_caches()
     assert _chi2_pvalue(cells, _exact_joint(target, 1.0, 0, 1.0, n=4)) < ALPHA
+
+
+def _deepseek_and_gemma_targets():
+    from specjax import registry  # noqa: PLC0415
+    from specjax.deepseek import DeepseekConfig  # noqa: PLC0415
+    from specjax.gemma import Gemma3Config  # noqa: PLC0415
+
+    ds = DeepseekConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                        moe_intermediate_size=16, num_layers=4, num_heads=4, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4)
+    gm = Gemma3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512,
+                      sliding_window=4, layer_types=("sliding_attention",) * 3 + ("full_attention",))
+    return [sj.Model(registry.init_params(c, jax.random.key(1), scale=0.3), c) for c in (ds, gm)]
+
+
+def test_new_eagle3_head_for_a_deepseek_or_gemma_target_is_a_llama_midlayer():
+    """HeadConfig.for_target(kind="eagle3") for a DeepSeek target used to copy the target's MLA
+    block config, and init_head then died with AttributeError (no head_dim); a Gemma 3 target
+    gave a Gemma block that the midlayer (a Llama layer, as load_eagle3 reads) does not run.
+    Now the midlayer is a ModelConfig of the target's sizes (P-EAGLE's too)."""
+    from specjax import peagle  # noqa: PLC0415
+
+    for target in _deepseek_and_gemma_targets():
+        cfg = HeadConfig.for_target(target.config, "eagle3")
+        assert type(cfg.layer) is sj.ModelConfig and cfg.layer.num_layers == 1
+        assert cfg.layer.hidden_size == target.config.hidden_size
+        head = Head(init_head(cfg, jax.random.key(0)), cfg)
+        ph = peagle.from_eagle3(head, mask_token_id=3, num_depths=3, key=jax.random.key(2))
+        assert type(ph.config.layer) is sj.ModelConfig
+
+
+@pytest.mark.slow
+def test_new_eagle3_head_drafts_losslessly_for_deepseek():
+    ds, _ = _deepseek_and_gemma_targets()
+    cfg = HeadConfig.for_target(ds.config, "eagle3")
+    head = Head(init_head(cfg, jax.random.key(0), scale=0.3), cfg)
+    prompts = [[5, 9, 13, 5, 9], [7, 3, 3, 8]]
+    plain = sj.generate(ds, prompts, max_new_tokens=6, eos_token_id=[]).tokens
+    out = sj.generate(ds, prompts, max_new_tokens=6, draft=head, method="eagle3",
+                      num_draft_tokens=2, eos_token_id=[])
+    assert out.tokens == plain and out.stats["drafted_tokens"] > 0

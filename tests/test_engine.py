@@ -186,6 +186,28 @@ def test_engine_config_is_validated(target, drafts):
     assert Engine(target, drafts["mtp"], EngineConfig(SpecConfig(method="mtp"))).schedule == "async"
 
 
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(max_slots=2, batch_buckets=(1.5, 2)), TypeError, "batch_buckets must be a tuple of ints"),
+    (dict(max_slots=2, batch_buckets=(True, 2)), TypeError, "batch_buckets"),
+    (dict(max_slots=2, batch_buckets=(2.0,)), TypeError, "batch_buckets"),
+    (dict(batch_buckets=8), TypeError, "batch_buckets"),
+    (dict(token_buckets=16), TypeError, "token_buckets must be a tuple of ints"),
+    (dict(token_buckets=(16, "a")), TypeError, "token_buckets"),
+    (dict(token_buckets=(-4, 16)), ValueError, "token_buckets"),
+    (dict(seed=-1), ValueError, "EngineConfig.seed"),
+    (dict(seed="a"), ValueError, "EngineConfig.seed"),
+    (dict(seed=1.5), ValueError, "EngineConfig.seed"),
+    (dict(record_timeline="yes"), TypeError, "record_timeline"),
+])
+def test_engine_config_types_are_checked_up_front(target, kw, exc, match):
+    """Bucket lists, the seed and flags of the wrong type name the field (they used to pass,
+    or fail inside numpy / sorted with a message naming nothing)."""
+    with pytest.raises(exc, match=match):
+        Engine(target, None, EngineConfig(**kw))
+    assert Engine(target, None, EngineConfig(max_slots=2, batch_buckets=[2, 1, 2],
+                                             token_buckets=[16])).batch_buckets == (1, 2)
+
+
 # --------------------------------------------------------------------- the loaded-engine test
 
 

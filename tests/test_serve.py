@@ -518,6 +518,22 @@ def test_serve_flags_reach_the_engine_config():
         assert e.value.code == 2
 
 
+@pytest.mark.parametrize("flag, value", [
+    ("--port", "70000"), ("--port", "-1"), ("--max-queue", "-1"), ("--max-slots", "0"),
+    ("--max-model-len", "1"), ("--num-pages", "0"), ("--batch-buckets", "a,2"),
+    ("--batch-buckets", "0,2"), ("--token-buckets", ""), ("--token-buckets", "16,x")])
+def test_bad_serve_flags_are_usage_errors_before_loading(flag, value, capsys):
+    """Each is exit 2 naming the flag at parse time (a bad --port / --max-queue used to fail
+    only after the model loaded and warmed up; --batch-buckets a,2 said only 'invalid literal')."""
+    from specjax.cli import build_parser, main  # noqa: PLC0415
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", "no/such/model", flag, value])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--batch-buckets", "1,4", "--port", "0"])
+    assert args.batch_buckets == (1, 4) and args.token_buckets == (16, 64) and args.port == 0
+
+
 @pytest.mark.slow
 def test_smollm2_with_shipped_head(tmp_path):
     """SmolLM2-135M + the shipped MTP head: chat, streamed and not, equals sj.generate greedy."""

@@ -136,6 +136,9 @@ UNSUPPORTED = [  # (create kwargs, the param the 400 must name); structured outp
     ({"extra_body": {"min_tokens": 3}}, "min_tokens"),
     ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
     ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages"),
+    ({"stream": True, "stream_options": {"include_usage": True, "bogus": 1}}, "stream_options"),
+    ({"max_tokens": None, "max_completion_tokens": 10**9}, "max_completion_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
 ]
 
 
@@ -170,6 +173,14 @@ def test_honoured_and_neutral_fields_are_accepted(served):
         presence_penalty=0, frequency_penalty=0, logprobs=False, response_format={"type": "text"},
         user="u1", service_tier="auto", store=False, tool_choice="none", stop=None,
         extra_body={"top_k": 0, "ignore_eos": False, "prompt_cache_key": "k"})
+    assert res.choices[0].message.content == plain.choices[0].message.content
+    # without tools, parallel_tool_calls changes nothing (it used to be a 400 either way)
+    for ptc in (False, True):
+        res = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6,
+                                             temperature=0, parallel_tool_calls=ptc)
+        assert res.choices[0].message.content == plain.choices[0].message.content
+    res = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=6,
+                                         temperature=0)
     assert res.choices[0].message.content == plain.choices[0].message.content
 
 

@@ -95,12 +95,25 @@ def test_json_object_and_vllm_fields(served):
     ({"guided_grammar": "root ::= "}, "guided_grammar"),
     ({"guided_json": {"type": "object", "properties": {"a": {"type": "wat"}}}}, "guided_json"),
     ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),  # the second one given
+    ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs"),  # not a bool
+    ({"structured_outputs": {"json_object": 1}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "(?=a)b"}}, "structured_outputs"),  # xgrammar: no lookahead
+    # no token can start it (not in the character vocabulary): was a 200 "abort" with no text
+    ({"guided_regex": "€+"}, "guided_regex"),
+    ({"guided_choice": ["€", "Q"]}, "guided_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}},
+     "response_format"),
 ])
 def test_rejected_constraint_is_a_400_naming_the_field(served, extra, param):
     client = served["client"]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=extra)
-    assert e.value.response.json()["error"]["param"] == param
+    err = e.value.response.json()["error"]
+    assert err["param"] == param
+    assert not re.search(r"\[[0-9:]+\] \S+\.cc:\d+", err["message"]), err  # no C++ log prefix
     # the server goes on serving
     r = client.completions.create(model=MODEL, prompt="x", max_tokens=4,
                                   extra_body={"guided_choice": ["ok"]})

@@ -18,17 +18,18 @@ def add_parser(sub) -> None:
     C.add_model_flags(sv)
     C.add_spec_flags(sv)
     sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--port", type=_int_in(0, 65535), default=8000)
     sv.add_argument("--served-model-name", default=None, help="model id (default: --model)")
-    sv.add_argument("--max-slots", type=int, default=8, help="requests decoded at once")
-    sv.add_argument("--max-queue", type=int, default=64,
+    sv.add_argument("--max-slots", type=_int_in(1), default=8, help="requests decoded at once")
+    sv.add_argument("--max-queue", type=_int_in(0), default=64,
                     help="requests waiting beyond the slots before HTTP 503")
-    sv.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens")
-    sv.add_argument("--num-pages", type=int, default=None, help="KV pages (default: max-slots "
-                                                                "full-length sequences)")
-    sv.add_argument("--batch-buckets", default=None, metavar="B1,B2,..",
+    sv.add_argument("--max-model-len", type=_int_in(2), default=2048,
+                    help="prompt + output tokens")
+    sv.add_argument("--num-pages", type=_int_in(1), default=None,
+                    help="KV pages (default: max-slots full-length sequences)")
+    sv.add_argument("--batch-buckets", type=_ints, default=None, metavar="B1,B2,..",
                     help="static batch sizes (default: powers of two up to --max-slots)")
-    sv.add_argument("--token-buckets", default="16,64", metavar="T1,T2,..",
+    sv.add_argument("--token-buckets", type=_ints, default="16,64", metavar="T1,T2,..",
                     help="prefill chunk widths (default: %(default)s)")
     sv.add_argument("--enable-prefix-caching", action="store_true",
                     help="share full KV pages of repeated prompt prefixes across requests "
@@ -58,8 +59,37 @@ def _k_table(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _ints(text: str | None):
-    return None if text is None else tuple(int(x) for x in text.split(",") if x.strip())
+def _ints(text):
+    """A comma-separated list of positive ints (argparse type: a bad one is a usage error);
+    None and an already parsed tuple pass through."""
+    import argparse  # noqa: PLC0415
+
+    if text is None or isinstance(text, tuple):
+        return text
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive ints, got {text!r}")
+    return values
+
+
+def _int_in(lo: int, hi: int | None = None):
+    """An argparse type: an int in [lo, hi] (hi None: no upper bound)."""
+    import argparse  # noqa: PLC0415
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(
+                f"must be an int {'in [%d, %d]' % (lo, hi) if hi is not None else '>= %d' % lo}, "
+                f"got {text!r}")
+        return value
+    return parse
 
 
 def run(args) -> int:

@@ -131,6 +131,14 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def _int_tuple(name: str, value) -> tuple:
+    """``value`` (a sequence of ints) as a sorted tuple without repeats; TypeError otherwise."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) \
+            or not all(_is_int(x) for x in value):
+        raise TypeError(f"EngineConfig.{name} must be a tuple of ints, got {value!r}")
+    return tuple(sorted({int(x) for x in value}))
+
+
 def resolve(cfg: EngineConfig, target_cfg) -> tuple[str, tuple, tuple]:
     """Checks ``cfg`` for a target of config ``target_cfg``; returns (schedule, batch buckets,
     token buckets) with the defaults filled in (batch buckets: powers of two up to max_slots).
@@ -152,13 +160,17 @@ def resolve(cfg: EngineConfig, target_cfg) -> tuple[str, tuple, tuple]:
     if batch_buckets is None:
         batch_buckets = tuple(sorted({min(2 ** i, cfg.max_slots)
                                       for i in range(cfg.max_slots.bit_length() + 1)}))
-    batch_buckets = tuple(sorted(set(batch_buckets)))
-    token_buckets = tuple(sorted(set(cfg.token_buckets)))
+    batch_buckets = _int_tuple("batch_buckets", batch_buckets)
+    token_buckets = _int_tuple("token_buckets", cfg.token_buckets)
     if not batch_buckets or batch_buckets[-1] != cfg.max_slots or batch_buckets[0] < 1:
         raise ValueError(f"batch_buckets {batch_buckets} must be >= 1 and end at max_slots "
                          f"{cfg.max_slots}")
-    if not token_buckets or not all(_is_int(t) and t >= 1 for t in token_buckets):
+    if not token_buckets or token_buckets[0] < 1:
         raise ValueError(f"token_buckets must be positive ints, got {cfg.token_buckets}")
+    if not _is_int(cfg.seed) or not 0 <= cfg.seed < 2**63:
+        raise ValueError(f"EngineConfig.seed must be an int in [0, 2**63), got {cfg.seed!r}")
+    if not isinstance(cfg.record_timeline, bool):
+        raise TypeError(f"EngineConfig.record_timeline must be a bool, got {cfg.record_timeline!r}")
     for name in ("spec_max_batch", "max_prefill_tokens", "num_pages"):
         value = getattr(cfg, name)
         if value is not None and (not _is_int(value) or value < (0 if name == "spec_max_batch" else 1)):

@@ -206,8 +206,10 @@ class _Server:
             raise P.APIError("messages render to an empty prompt", param="messages")
         return ids
 
-    def params(self, body, ids: list, max_tokens: int | None) -> tuple:
-        """(RequestParams, stop strings) for a validated body and prompt."""
+    def params(self, body, ids: list, max_tokens: int | None,
+               max_name: str = "max_tokens") -> tuple:
+        """(RequestParams, stop strings) for a validated body and prompt; ``max_name``: the
+        field ``max_tokens`` came from (chat: ``max_completion_tokens`` when only it is set)."""
         body.check_unsupported()
         n = len(ids)
         where = "messages" if isinstance(body, P.ChatCompletionRequest) else "prompt"
@@ -217,8 +219,8 @@ class _Server:
         if max_tokens is None:
             max_tokens = self.max_model_len - n
         if n + max_tokens > self.max_model_len:
-            raise P.APIError(f"{where} ({n} tokens) + max_tokens ({max_tokens}) exceeds the "
-                             f"context of {self.max_model_len} tokens", param="max_tokens")
+            raise P.APIError(f"{where} ({n} tokens) + {max_name} ({max_tokens}) exceeds the "
+                             f"context of {self.max_model_len} tokens", param=max_name)
         strings, stop_ids = body.stop_lists()
         bad = [t for t in stop_ids if not 0 <= t < self.vocab]
         if bad:
@@ -418,8 +420,9 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, max_queue: int = 6
     async def stats():
         return _finite(engine.stats())
 
-    async def run(request: Request, body, ids: list, max_tokens, chat: bool):
-        params, strings = srv.params(body, ids, max_tokens)
+    async def run(request: Request, body, ids: list, max_tokens, chat: bool,
+                  max_name: str = "max_tokens"):
+        params, strings = srv.params(body, ids, max_tokens, max_name)
         srv.admit()
         r = _Run(srv, ids, params, strings)
         rid, created = P.new_id("chatcmpl" if chat else "cmpl"), P.now()
@@ -485,8 +488,8 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, max_queue: int = 6
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
         srv.check_model(body)
         ids = srv.chat_prompt(body)
-        max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
-        return await run(request, body, ids, max_tokens, chat=True)
+        name = "max_completion_tokens" if body.max_tokens is None else "max_tokens"
+        return await run(request, body, ids, getattr(body, name), chat=True, max_name=name)
 
     return app
 

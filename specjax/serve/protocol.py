@@ -57,7 +57,12 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` honoured; ``include_obfuscation`` (OpenAI's random
+    padding field on stream events) accepted and ignored: no padding is sent. Others: 400."""
+
+    model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+    include_obfuscation: StrictBool = False
 
 
 def _neutral(value, neutral) -> bool:
@@ -176,6 +181,10 @@ def _response_format(rf: dict) -> Constraint | None:
             raise ValueError(f"json_schema has unknown fields {sorted(extra)}")
         if "schema" not in js:
             raise ValueError("json_schema.schema is required")
+        if not isinstance(js.get("strict", False), (bool, type(None))) \
+                or not isinstance(js.get("description", ""), (str, type(None))):
+            raise ValueError("json_schema.strict must be a bool and json_schema.description a "
+                             "string")
         return Constraint.json_schema(js["schema"])
     raise ValueError('must be {"type": "text"}, {"type": "json_object"} or {"type": '
                      '"json_schema", "json_schema": {"name", "schema", "strict"}}')
@@ -193,6 +202,8 @@ def _structured_outputs(so: dict) -> Constraint:
     if len(kinds) != 1:
         raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object; got "
                          f"{kinds or 'none'}")
+    if not isinstance(so.get("json_object", False), bool):
+        raise ValueError("json_object must be a bool")
     ws = so.get("disable_any_whitespace", True)
     if not isinstance(ws, bool):
         raise ValueError("disable_any_whitespace must be a bool")
@@ -267,7 +278,8 @@ class ChatCompletionRequest(_SamplingFields):
         "top_logprobs": ((0,), "top_logprobs are not supported"),
         "tools": (([],), "tools (function calling) are not supported"),
         "tool_choice": (("none",), "tool_choice is not supported (only 'none')"),
-        "parallel_tool_calls": ((), "parallel_tool_calls is not supported (no tools)"),
+        # without tools (refused above unless empty) either value changes nothing
+        "parallel_tool_calls": ((False, True), "parallel_tool_calls is not supported (no tools)"),
         "functions": (([],), "functions (function calling) are not supported"),
         "function_call": (("none",), "function_call is not supported (only 'none')"),
         "audio": ((), "audio output is not supported"),

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 import specjax as sj
 from specjax import dflash
-from specjax.heads import default_aux_layers
+from specjax.heads import default_aux_layers, llama_block_config
 from specjax.io import dflash_io
 from specjax.train import pipeline, trainer
 
@@ -45,7 +45,7 @@ def drafter_config(target_cfg, *, layers: int = 1, block_size: int = 8, mask_tok
     states entering 2, L//2, L-3)."""
     if target_layer_ids is None:
         target_layer_ids = tuple(i - 1 for i in default_aux_layers(target_cfg.num_layers))
-    tc = target_cfg
+    tc = llama_block_config(target_cfg)  # a DeepSeek target has no Llama head_dim: E // H
     return dflash.DFlashConfig(
         num_layers=layers, hidden_size=tc.hidden_size, num_heads=tc.num_heads,
         num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim, intermediate_size=tc.intermediate_size,
