@@ -71,6 +71,14 @@ def files(tmp_path_factory):
     return {"root": root, "target": target, "tok": sj.load_tokenizer(str(root / "tok"))}
 
 
+def stop_server(proc, timeout_s: float) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def start_server(files, *extra, port=None):
     port = port or free_port()
     root = files["root"]
@@ -101,11 +109,7 @@ def server(files):
     proc, url = start_server(files, "--draft", str(files["root"] / "draft"), "--method", "draft",
                              "-k", "3")
     yield url
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_server(proc, 30)
 
 
 @pytest.fixture(scope="module")
@@ -299,11 +303,7 @@ def test_warmup_structured_leaves_nothing_to_compile(files):
         after = health(url)
         assert before["compiles"] > 0 and after["compiles"] == before["compiles"]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc, 30)
 
 
 # ----------------------------------------------------------------------------------- load
@@ -646,8 +646,4 @@ def test_serve_with_defaults_answers_the_openai_client(tmp_path):
         assert res.choices[0].message.content == tok.decode(want)
         assert "draft checkpoints/" in log_path.read_text()  # the recommended draft was loaded
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc, 60)
