@@ -35,7 +35,8 @@ def _as_model(cfg: ModelConfig, params, dtype, source) -> Model:
     return Model(params=params, config=cfg, source=source)
 
 
-def load_model(path: str, dtype=jnp.float32, mesh=None, weights: str = "quantized") -> Model:
+def load_model(path: str, dtype=jnp.float32, mesh=None, weights: str = "quantized",
+               activations: str = "float32") -> Model:
     """Loads a target model.
 
     Args:
@@ -52,6 +53,11 @@ def load_model(path: str, dtype=jnp.float32, mesh=None, weights: str = "quantize
         (``sharding.make_mesh`` for the Llama family, ``deepseek.make_mesh`` for DeepSeek).
       weights: "quantized" (a GGUF's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks stream through the
         native CPU kernel, same values) or "float32" (every product over the dequantized float32 weights).
+      activations: "float32" (exact: each weight dequantized to gguf's float32 value, float
+        products) or "int8" (with ``weights="quantized"``: the Q4_0 / Q4_1 / Q8_0 weights
+        multiply inputs quantized to 8 bits per 32 values with integer dot products, as
+        llama.cpp does: faster on CPU, logits within ~1e-3 relative, greedy text may differ
+        from the exact path; specjax.native_q8).
     Raises:
       ValueError: an unsupported ``model_type`` (the message names the supported ones).
     """
@@ -61,6 +67,11 @@ def load_model(path: str, dtype=jnp.float32, mesh=None, weights: str = "quantize
         raise TypeError(f"load_model: path must be a str or path, got {type(path).__name__}")
     if weights not in ("quantized", "float32"):
         raise ValueError(f"load_model: weights must be 'quantized' or 'float32', got {weights!r}")
+    if activations not in ("float32", "int8"):
+        raise ValueError(f"load_model: activations must be 'float32' or 'int8', got {activations!r}")
+    if activations == "int8" and weights != "quantized":
+        raise ValueError("load_model: activations='int8' needs weights='quantized' (it multiplies "
+                         "the GGUF's own blocks)")
     if path in BUILTIN_MODELS:
         cfg, params = gguf.load_gguf(gguf.builtin_gguf_path(path))
     elif isinstance(path, str) and path.endswith(".gguf") and os.path.isfile(path):
@@ -79,7 +90,8 @@ def load_model(path: str, dtype=jnp.float32, mesh=None, weights: str = "quantize
     registry.check_params(params, cfg)
     model = _as_model(cfg, params, dtype, path)
     if weights == "quantized" and mesh is None and (path in BUILTIN_MODELS or path.endswith(".gguf")):
-        native.attach_gguf(model, path if path.endswith(".gguf") else gguf.builtin_gguf_path(path))
+        native.attach_gguf(model, path if path.endswith(".gguf") else gguf.builtin_gguf_path(path),
+                           activations)
     return model if mesh is None else _shard(model, mesh)
 
 

@@ -49,12 +49,13 @@ def _cache_file() -> str:
 
 
 def cost_key(target_cfg, draft_cfg, dtype, batch: int, method: str, kmax: int,
-             native_on: bool = False) -> str:
-    """Cache key: the model and draft configs, dtype, batch bucket, backend, method, K, whether
-    the native CPU kernel runs the forwards (``native_on``) and ``CODE_VERSION``."""
+             native_on: bool | str = False) -> str:
+    """Cache key: the model and draft configs, dtype, batch bucket, backend, method, K, which
+    native CPU kernels run the forwards (``native_on``: ``uses_native``'s kinds, or a bool) and
+    ``CODE_VERSION``."""
     text = repr(("fused-step", CODE_VERSION, target_cfg, draft_cfg, str(jnp.dtype(dtype)), batch,
                  jax.default_backend(), jax.devices()[0].device_kind, method, kmax,
-                 bool(native_on)))
+                 native_on if isinstance(native_on, str) else bool(native_on)))
     return hashlib.sha1(text.encode()).hexdigest()
 
 
@@ -138,7 +139,7 @@ def measure_costs(target_params, target_cfg, draft_params, draft_cfg, *, method:
     """
 
     key = cost_key(target_cfg, draft_cfg, dtype, batch, method, kmax,
-                   native_on=uses_native(target_params) or uses_native(draft_params))
+                   native_on="|".join((uses_native(target_params), uses_native(draft_params))))
     if key in _COSTS:
         return _COSTS[key]
     stored = _load_file().get(key)
@@ -191,10 +192,13 @@ def measure_costs(target_params, target_cfg, draft_params, draft_cfg, *, method:
     return costs
 
 
-def uses_native(params) -> bool:
-    """Whether ``params`` hold weights packed for the native CPU kernel (specjax.native)."""
-    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, native.PackedWeight))
-    return any(isinstance(x, native.PackedWeight) for x in leaves)
+def uses_native(params) -> str:
+    """Which native CPU kernels ``params`` run on (specjax.native): "" for none, else the sorted
+    weight kinds joined by "+" ("PackedWeight", "QuantWeight", "Q8Weight"; truthy), so a cost
+    cached for float32 panels is never reused for the quantized or int8-activation kernels."""
+    kinds = (native.PackedWeight, native.QuantWeight, native.Q8Weight)
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, kinds))
+    return "+".join(sorted({type(x).__name__ for x in leaves if isinstance(x, kinds)}))
 
 
 # --------------------------------------------------------------- bare forwards (benchmarks)

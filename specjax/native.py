@@ -50,6 +50,7 @@ import numpy as np
 
 from specjax import heads, registry
 from specjax.io import gguf
+from specjax.native_q8 import ACTIVATIONS, Q8TARGETS, Q8Weight, q8_layout
 
 log = logging.getLogger("specjax.native")
 
@@ -75,7 +76,9 @@ QTARGETS = {
 QBLOCK = 32  # weights per GGUF block (along K) of the 32-weight types
 LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 FUSED = (("wq", "wk", "wv"), ("w_gate", "w_up"))  # packed as one weight "wq+wk+wv", "w_gate+w_up"
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "skinny_matmul.cc")
+# compiled into one library: the float / exact-dequant kernels, the int8-dot kernels (native_q8)
+_SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", f)
+            for f in ("skinny_matmul.cc", "q8_dot.cc")]
 
 
 # ----------------------------------------------------------------------------- build + register
@@ -92,10 +95,15 @@ def _cpu_signature() -> str:
 
 def _build(cxx: str) -> str:
     """Compiles the kernel (once per source, compiler, jax and CPU) and returns the .so path."""
-    with open(_SOURCE, "rb") as f:
-        src = f.read()
+    src = b""
+    for name in _SOURCES:
+        with open(name, "rb") as f:
+            src += f.read()
     # -ffp-contract=off: the quantized kernels dequantize as gguf does (d * q + m, two roundings)
-    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", "-ffp-contract=off"]
+    # SPECJAX_NATIVE_CFLAGS: extra compiler flags, after ours (tests build the other code paths
+    # on an AVX-512 host with "-march=haswell" = AVX2 and "-DSPECJAX_Q8_PORTABLE")
+    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", "-ffp-contract=off",
+             *os.environ.get("SPECJAX_NATIVE_CFLAGS", "").split()]
     key = hashlib.sha256(b"\0".join([
         src, cxx.encode(), " ".join(flags).encode(), jax.__version__.encode(),
         _cpu_signature().encode()])).hexdigest()[:16]
@@ -108,7 +116,7 @@ def _build(cxx: str) -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        subprocess.run([cxx, *flags, f"-I{jax.ffi.include_dir()}", _SOURCE, "-o", tmp],
+        subprocess.run([cxx, *flags, f"-I{jax.ffi.include_dir()}", *_SOURCES, "-o", tmp],
                        check=True, capture_output=True, timeout=300)
         os.replace(tmp, path)  # atomic: a concurrent build never sees half a library
     finally:
@@ -131,7 +139,8 @@ def available() -> bool:
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(_build(cxx))
-        for name, symbol in [*TARGETS.values(), *(t[:2] for t in QTARGETS.values())]:
+        for name, symbol in [*TARGETS.values(), *(t[:2] for t in QTARGETS.values()),
+                             *(t[:2] for t in Q8TARGETS.values())]:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
                                         platform="cpu")
     except (OSError, subprocess.SubprocessError) as e:
@@ -337,24 +346,33 @@ class QuantWeight:
         return y.reshape(*x.shape[:-1], self.w.shape[1])
 
 
-def quant_weight(ws, blocks) -> QuantWeight | PackedWeight:
+def quant_weight(ws, blocks, activations: str = "float32") -> QuantWeight | Q8Weight | PackedWeight:
     """[K, N_i] float32 weights and their GGUF blocks ``(qtype, q_i [N_i, bytes])`` -> one
-    QuantWeight [K, sum N_i]; a PackedWeight when the blocks are missing or of mixed types."""
+    QuantWeight [K, sum N_i] (a ``native_q8.Q8Weight`` with ``activations="int8"`` for the
+    types it covers); a PackedWeight when the blocks are missing or of mixed types."""
     if any(b is None for b in blocks) or len({b[0] for b in blocks}) != 1:
         return pack_weight(*ws)
     w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=1)
     q = np.concatenate([np.asarray(b[1]) for b in blocks], axis=0)
     if blocks[0][0] not in QTARGETS or q.shape[0] != w.shape[1]:
         raise ValueError(f"quant_weight: blocks {blocks[0][0]} {q.shape} do not fit {w.shape}")
-    return QuantWeight(w=w, q=jnp.asarray(q, jnp.uint8), qtype=blocks[0][0],
-                       parts=tuple(int(a.shape[1]) for a in ws))
+    parts = tuple(int(a.shape[1]) for a in ws)
+    if activations == "int8" and blocks[0][0] in Q8TARGETS:
+        return Q8Weight(w=w, q8=jnp.asarray(q8_layout(q, blocks[0][0])), qtype=blocks[0][0],
+                        parts=parts, max_rows=MAX_ROWS)
+    return QuantWeight(w=w, q=jnp.asarray(q, jnp.uint8), qtype=blocks[0][0], parts=parts)
 
 
-def attach_gguf(model, path) -> None:
+def attach_gguf(model, path, activations: str = "float32") -> None:
     """Marks ``model`` (loaded from the GGUF file ``path``) to run on the file's own quantized
     blocks: ``inference_params`` then builds QuantWeights for the linear weights whose type the
-    kernel streams (float32 panels for the rest). Read lazily, when the kernel is available."""
+    kernel streams (float32 panels for the rest). Read lazily, when the kernel is available.
+    ``activations="int8"``: Q4_0 / Q4_1 / Q8_0 weights run as ``native_q8.Q8Weight``s
+    (8-bit activations, integer dots: llama.cpp's arithmetic, not the float32 path's)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     object.__setattr__(model, "_gguf_path", os.fspath(path))
+    object.__setattr__(model, "_activations", activations)
     model.__dict__.pop("_inference_params", None)
 
 
@@ -376,7 +394,7 @@ def pack_weight(*ws) -> PackedWeight:
 
 # ----------------------------------------------------------------------------- params
 
-def _pack_layer(lp: dict, blocks=None) -> dict:
+def _pack_layer(lp: dict, blocks=None, activations: str = "float32") -> dict:
     """One decoder layer's dict with its linear weights packed (q|k|v, gate|up fused); those in
     ``blocks`` (name -> (qtype, GGUF blocks)) as QuantWeights (a group whose blocks differ in
     type, e.g. Gemma's Q5_0 q/k with a Q8_0 v, stays unfused)."""
@@ -384,7 +402,8 @@ def _pack_layer(lp: dict, blocks=None) -> dict:
 
     def one(names):
         ws = [lp.pop(n) for n in names]
-        return quant_weight(ws, [blocks.get(n) for n in names]) if blocks else pack_weight(*ws)
+        return (quant_weight(ws, [blocks.get(n) for n in names], activations) if blocks
+                else pack_weight(*ws))
 
     for group in FUSED:  # q|k|v and gate|up read the same input: one product each
         types = {(blocks.get(n) or (None,))[0] for n in group}
@@ -395,20 +414,22 @@ def _pack_layer(lp: dict, blocks=None) -> dict:
     return lp
 
 
-def pack_params(params: dict, blocks=None) -> dict:
+def pack_params(params: dict, blocks=None, activations: str = "float32") -> dict:
     """A copy of a Llama-family params pytree for inference with the native kernel: the dense
     layers' float32 [K, N] linear weights (``LINEAR_KEYS``) become ``PackedWeight``s (q/k/v and
     gate/up fused into one each, ``FUSED``, which ``model._fused`` splits back) and
     ``"lm_head_packed"`` holds the output projection (``embed.T`` when tied). Other tensors
     (norms, biases, MoE experts, the embedding) are shared, not copied. ``blocks``
-    (``io.gguf.load_gguf_blocks``): the weights it holds become QuantWeights instead."""
+    (``io.gguf.load_gguf_blocks``): the weights it holds become QuantWeights instead
+    (``native_q8.Q8Weight``s with ``activations="int8"`` where that kernel covers the type)."""
     blocks = blocks or {}
     layer_blocks = blocks.get("layers") or [None] * len(params["layers"])
-    out = dict(params, layers=[_pack_layer(lp, b) for lp, b in zip(params["layers"], layer_blocks)])
+    out = dict(params, layers=[_pack_layer(lp, b, activations)
+                               for lp, b in zip(params["layers"], layer_blocks)])
     head = params.get("lm_head")
     head = params["embed"].T if head is None else head
     if head.dtype == jnp.float32:
-        out["lm_head_packed"] = (quant_weight([head], [blocks["lm_head"]])
+        out["lm_head_packed"] = (quant_weight([head], [blocks["lm_head"]], activations)
                                  if blocks.get("lm_head") else pack_weight(head))
     return out
 
@@ -441,7 +462,8 @@ def inference_params(model, target=None):
     if is_head:
         packed = _pack_head(params, model.config, target)
     elif "layers" in params and "embed" in params:  # a Model
-        packed = params if _unsupported(model.config) else pack_params(params, _gguf_blocks(model))
+        packed = params if _unsupported(model.config) else pack_params(
+            params, _gguf_blocks(model), model.__dict__.get("_activations", "float32"))
     else:
         return params
     object.__setattr__(model, "_inference_params", (*key, packed))  # a cache, not model state

@@ -1,0 +1,379 @@
+// Integer dot products for GGUF block weights: y[M, N] = q8(x)[M, K] @ W, llama.cpp's arithmetic.
+//
+// Why: the exact kernel (skinny_matmul.cc) dequantizes every weight to float32 and multiplies
+// in float, ~13 vector instructions per 32 weights and row; on a 2-core host that keeps a decode
+// step compute-bound at ~5 GB/s of 4-bit weights (benchmarks/RESULTS.md). llama.cpp instead
+// quantizes each matmul's input row to 8 bits per 32 values (Q8_0 / Q8_1: one float scale per
+// block) and multiplies the 4-/8-bit weights with integer dot-product instructions, ~10
+// instructions per 128 weights and row. This file does the same, as an opt-in mode
+// (``sj.load_model(..., activations="int8")``): the outputs differ from the float32 path by the
+// activation rounding (~0.4% of a block's largest input), so greedy text can differ from the
+// exact path; decode and verify still see bit-identical rows (a row's result never depends on
+// the other rows in the call), so speculative decoding stays lossless w.r.t. this arithmetic.
+//
+// Weights (``specjax.native.q8_layout``): the GGUF blocks of a row rearranged, same bytes, as
+//   Q4_0: [nibbles B*16][d B*2]   Q4_1: [nibbles B*16][d B*2][m B*2]   Q8_0: [int8 B*32][d B*2]
+// for B = K / 32 blocks (nibble byte j of a block holds weights j (low) and j + 16 (high)).
+// Inputs: each row's 32-value block b is quantized as llama.cpp's quantize_row_q8_0 / q8_1 do:
+// dx = max|x| / 127, q = round-to-nearest-even(x / dx) (0 where dx = 0), plus sx = dx * sum(q)
+// for Q4_1; then per block  y += (d * dx) * sum_j w_j q_j  (+ m * sx for Q4_1), the integer
+// sums exact. Blocks go in groups of 4 (128 weights: one 512-bit register of nibbles).
+//
+// Paths: AVX-512 VNNI (vpdpbusd: u8 x s8 -> s32), AVX2 (vpmaddubsw + vpmaddwd), portable C++.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+enum Q8Type { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+template <int Q> struct Q8Info;  // kQs: weight bytes per 32-weight block; kBytes: with scales
+template <> struct Q8Info<kQ4_0> { static constexpr int kQs = 16, kBytes = 18; };
+template <> struct Q8Info<kQ4_1> { static constexpr int kQs = 16, kBytes = 20; };
+template <> struct Q8Info<kQ8_0> { static constexpr int kQs = 32, kBytes = 34; };
+constexpr int kGroup = 4;                // blocks per group (128 weights)
+constexpr int kRows = 8;                 // input rows per register block
+constexpr int kLanes = 32;               // int32 lanes of per-lane corrections per group
+
+// (-DSPECJAX_Q8_PORTABLE forces the portable path: tests check it on any host)
+#if defined(SPECJAX_Q8_PORTABLE)
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define SPECJAX_Q8_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SPECJAX_Q8_AVX2 1
+#endif
+
+inline float Half(const uint8_t* p) {  // IEEE half -> float (exact)
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+  if (exp == 0x1fu) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;
+  } else {
+    int e = -1;
+    do { man <<= 1; ++e; } while (!(man & 0x400u));
+    u = sign | ((112u - e) << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// One input row, quantized and laid out for group g of 4 blocks:
+//   xq[g*128 ..]: Q4 types: [low-nibble partners: block i values 0..15 at 16i][high: 16..31];
+//                 Q8_0: the 4 blocks' 32 values in order.
+//   dx[g*4 + i]: block scales (0 past the last block); sx[b]: dx_b * sum(q_b) (Q4_1's min term,
+//   padded to a multiple of 16 with 0); corr[g*32 + l]: the integer offsets that turn the
+//   unsigned-weight dot of lane l into the signed one (-8 * lane sum for Q4_0, -128 * lane sum
+//   for Q8_0's sign-flipped weights; lanes 0..15 the first register of the group, 16..31 the
+//   second).
+struct XRow {
+  const int8_t* xq;
+  const float* dx;
+  const float* sx;
+  const int32_t* corr;
+};
+
+template <int Q>
+void QuantizeRow(const float* x, int64_t K, int8_t* xq, float* dx, float* sx, int32_t* corr) {
+  const int64_t B = K / 32, G = (B + kGroup - 1) / kGroup;
+  std::memset(xq, 0, G * 128);
+  std::memset(dx, 0, G * kGroup * sizeof(float));
+  std::memset(corr, 0, G * kLanes * sizeof(int32_t));
+  for (int64_t b = 0; b < B; ++b) {
+    const float* xb = x + b * 32;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    int8_t q[32];
+    int sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      q[j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
+      sum += q[j];
+    }
+    const int64_t g = b / kGroup, i = b % kGroup;
+    dx[b] = d;
+    sx[b] = d * static_cast<float>(sum);
+    int8_t* out = xq + g * 128;
+    if (Q == kQ8_0) {
+      std::memcpy(out + 32 * i, q, 32);
+      for (int j = 0; j < 32; ++j) corr[g * kLanes + (32 * i + j) / 4] -= 128 * q[j];
+    } else {
+      std::memcpy(out + 16 * i, q, 16);
+      std::memcpy(out + 64 + 16 * i, q + 16, 16);
+      if (Q == kQ4_0)
+        for (int j = 0; j < 16; ++j)
+          corr[g * kLanes + (16 * i + j) / 4] -= 8 * (q[j] + q[16 + j]);
+    }
+  }
+  for (int64_t b = B; b < (B + 15) / 16 * 16; ++b) sx[b] = 0.f;
+}
+
+#if defined(SPECJAX_Q8_AVX512)
+inline float Reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// Outputs n .. n + NR - 1 for M rows.
+template <int Q, int M, int NR>
+inline void Outputs(const uint8_t* __restrict wq, const XRow* xr, float* __restrict y,
+                    int64_t K, int64_t N, int64_t n) {
+  constexpr int kQs = Q8Info<Q>::kQs, kB = Q8Info<Q>::kBytes;
+  const int64_t B = K / 32, G = (B + kGroup - 1) / kGroup, rb = B * kB;
+  const __m512i low = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  // lane l of a register -> block l / 4 (Q4: one register per group) or l / 8 (Q8_0: two)
+  const __m512i by4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i by8a = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i by8b = _mm512_add_epi32(by8a, _mm512_set1_epi32(2));
+  __m512 acc[NR][M];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int nb = static_cast<int>(std::min<int64_t>(kGroup, B - g * kGroup));
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* row = wq + (n + r) * rb;
+      const uint8_t* qs = row + g * kGroup * kQs;
+      const __m128 dw = _mm_cvtph_ps(_mm_maskz_loadu_epi16(
+          static_cast<__mmask8>((1u << nb) - 1), row + B * kQs + g * kGroup * 2));
+      if (Q == kQ8_0) {
+        const int n0 = std::min(nb, 2) * 32, n1 = std::max(nb - 2, 0) * 32;
+        const __m512i w0 = _mm512_xor_si512(
+            _mm512_maskz_loadu_epi8(n0 == 64 ? ~0ull : (1ull << n0) - 1, qs), flip);
+        const __m512i w1 = _mm512_xor_si512(
+            _mm512_maskz_loadu_epi8(n1 == 64 ? ~0ull : (1ull << n1) - 1, qs + 64), flip);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* xq = xr[m].xq + g * 128;
+          const int32_t* c = xr[m].corr + g * kLanes;
+          const __m512i i0 = _mm512_dpbusd_epi32(_mm512_loadu_si512(c), w0, _mm512_loadu_si512(xq));
+          const __m512i i1 =
+              _mm512_dpbusd_epi32(_mm512_loadu_si512(c + 16), w1, _mm512_loadu_si512(xq + 64));
+          const __m512 sc = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_loadu_ps(xr[m].dx + g * 4)));
+          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_permutexvar_ps(by8a, sc), acc[r][m]);
+          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_permutexvar_ps(by8b, sc), acc[r][m]);
+        }
+      } else {
+        const int nq = nb * 16;
+        const __m512i q = _mm512_maskz_loadu_epi8(nq == 64 ? ~0ull : (1ull << nq) - 1, qs);
+        const __m512i lo = _mm512_and_si512(q, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* xq = xr[m].xq + g * 128;
+          const __m512i init = Q == kQ4_0 ? _mm512_loadu_si512(xr[m].corr + g * kLanes)
+                                          : _mm512_setzero_si512();
+          __m512i i = _mm512_dpbusd_epi32(init, lo, _mm512_loadu_si512(xq));
+          i = _mm512_dpbusd_epi32(i, hi, _mm512_loadu_si512(xq + 64));
+          const __m512 sc = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_loadu_ps(xr[m].dx + g * 4)));
+          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_permutexvar_ps(by4, sc), acc[r][m]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    __m512 mins[M];
+    for (int m = 0; m < M; ++m) mins[m] = _mm512_setzero_ps();
+    if (Q == kQ4_1) {  // + sum_b m_b * sx_b, 16 blocks at a time
+      const uint8_t* mw = wq + (n + r) * rb + B * (kQs + 2);
+      for (int64_t b = 0; b < B; b += 16) {
+        const int k = static_cast<int>(std::min<int64_t>(16, B - b));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+            static_cast<__mmask16>((1u << k) - 1), mw + 2 * b));
+        for (int m = 0; m < M; ++m) mins[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xr[m].sx + b), mins[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * N + n + r] = Reduce(acc[r][m]) + Reduce(mins[m]);
+  }
+}
+
+#else  // AVX2 or portable: one block at a time, the same integer sums
+
+#if defined(SPECJAX_Q8_AVX2)
+inline int32_t HSum8(__m256i v) {
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
+}
+#endif
+
+// sum_j w_j q_j of block b of a row (the signed weights: nibble - 8 for Q4_0, nibble for Q4_1)
+template <int Q>
+inline int32_t BlockDot(const uint8_t* qs, const int8_t* xlo, const int8_t* xhi) {
+#if defined(SPECJAX_Q8_AVX2)
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (Q == kQ8_0) {  // |w| x sign(q, w): vpmaddubsw takes unsigned x signed
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xlo));
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q, w));
+    return HSum8(_mm256_madd_epi16(p, ones));
+  }
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i nib = _mm256_and_si256(
+      _mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
+  const __m256i x = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xhi)),
+                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(xlo)));
+  int32_t s = HSum8(_mm256_madd_epi16(_mm256_maddubs_epi16(nib, x), ones));
+  if (Q == kQ4_0) {
+    const __m256i sx = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), x), ones);
+    s -= 8 * HSum8(sx);
+  }
+  return s;
+#else
+  int32_t s = 0;
+  if (Q == kQ8_0) {
+    const int8_t* w = reinterpret_cast<const int8_t*>(qs);
+    for (int j = 0; j < 32; ++j) s += w[j] * xlo[j];
+    return s;
+  }
+  const int off = Q == kQ4_0 ? 8 : 0;
+  for (int j = 0; j < 16; ++j)
+    s += ((qs[j] & 15) - off) * xlo[j] + ((qs[j] >> 4) - off) * xhi[j];
+  return s;
+#endif
+}
+
+template <int Q, int M, int NR>
+inline void Outputs(const uint8_t* __restrict wq, const XRow* xr, float* __restrict y,
+                    int64_t K, int64_t N, int64_t n) {
+  constexpr int kQs = Q8Info<Q>::kQs, kB = Q8Info<Q>::kBytes;
+  const int64_t B = K / 32, rb = B * kB;
+  for (int r = 0; r < NR; ++r) {
+    const uint8_t* row = wq + (n + r) * rb;
+    for (int m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < B; ++b) {
+        const int8_t* xq = xr[m].xq + (b / kGroup) * 128;
+        const int i = static_cast<int>(b % kGroup);
+        const int32_t s = Q == kQ8_0 ? BlockDot<Q>(row + b * 32, xq + 32 * i, nullptr)
+                                     : BlockDot<Q>(row + b * 16, xq + 16 * i, xq + 64 + 16 * i);
+        acc += Half(row + B * kQs + 2 * b) * xr[m].dx[b] * static_cast<float>(s);
+        if (Q == kQ4_1) acc += Half(row + B * (kQs + 2) + 2 * b) * xr[m].sx[b];
+      }
+      y[m * N + n + r] = acc;
+    }
+  }
+}
+#endif
+
+template <int Q>
+void Group(int rows, const uint8_t* wq, const XRow* xr, float* y, int64_t K, int64_t N,
+           int64_t n0, int64_t n1) {
+#define SPECJAX_Q8GROUP(M)                                                 \
+  case M:                                                                  \
+    for (n = n0; n + 2 <= n1; n += 2) Outputs<Q, M, 2>(wq, xr, y, K, N, n); \
+    if (n < n1) Outputs<Q, M, 1>(wq, xr, y, K, N, n);                      \
+    return;
+  int64_t n;
+  switch (rows) {
+    SPECJAX_Q8GROUP(1)
+    SPECJAX_Q8GROUP(2)
+    SPECJAX_Q8GROUP(3)
+    SPECJAX_Q8GROUP(4)
+    SPECJAX_Q8GROUP(5)
+    SPECJAX_Q8GROUP(6)
+    SPECJAX_Q8GROUP(7)
+    SPECJAX_Q8GROUP(8)
+  }
+#undef SPECJAX_Q8GROUP
+}
+
+template <int Q>
+struct Work {
+  const uint8_t* wq;
+  std::vector<XRow> xr;
+  float* y;
+  int64_t M, K, N, chunk, num_chunks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Run() {
+    for (;;) {
+      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= num_chunks) return;
+      const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+        Group<Q>(rows, wq, xr.data() + m0, y + m0 * N, K, N, n0, n1);
+      }
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+template <int Q>
+ffi::Error Q8DotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> wq,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = wq.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("q8_dot: x [M, K], wq [N, bytes], y [M, N]");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  if (K % 32 != 0 || wd[0] != N || wd[1] != K / 32 * Q8Info<Q>::kBytes || yd[0] != M)
+    return ffi::Error::InvalidArgument("q8_dot: shapes do not agree");
+  const int64_t B = K / 32, G = (B + kGroup - 1) / kGroup, SB = (B + 15) / 16 * 16;
+  // one scratch allocation per call: the quantized rows (the caller's thread, before the pool)
+  const int64_t xq_b = G * 128, f_b = (G * kGroup + SB) * 4, c_b = G * kLanes * 4;
+  const int64_t per_row = (xq_b + f_b + c_b + 63) / 64 * 64;
+  std::unique_ptr<uint8_t[]> scratch(new uint8_t[M * per_row + 64]);
+  uint8_t* base = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(scratch.get()) + 63) & ~static_cast<uintptr_t>(63));
+  auto work = std::make_shared<Work<Q>>();
+  work->xr.resize(M);
+  for (int64_t m = 0; m < M; ++m) {
+    uint8_t* p = base + m * per_row;
+    int8_t* xq = reinterpret_cast<int8_t*>(p);
+    float* dx = reinterpret_cast<float*>(p + xq_b);
+    float* sx = dx + G * kGroup;
+    int32_t* corr = reinterpret_cast<int32_t*>(p + xq_b + f_b);
+    QuantizeRow<Q>(x.typed_data() + m * K, K, xq, dx, sx, corr);
+    work->xr[m] = XRow{xq, dx, sx, corr};
+  }
+  work->wq = wq.typed_data();
+  work->y = y->typed_data();
+  work->M = M;
+  work->K = K;
+  work->N = N;
+  const int64_t threads = pool.num_threads();
+  const int64_t helpers = (N * wd[1] < (128 << 10) || threads <= 1) ? 0 : threads;
+  int64_t chunk = std::max<int64_t>(8, N / std::max<int64_t>(1, 4 * (helpers + 1)));
+  chunk += chunk % 2;
+  work->chunk = chunk;
+  work->num_chunks = (N + chunk - 1) / chunk;
+  for (int64_t i = 0; i < std::min(helpers, work->num_chunks - 1); ++i)
+    pool.Schedule([work] { work->Run(); });
+  work->Run();
+  while (work->done.load(std::memory_order_acquire) < work->num_chunks) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+  return ffi::Error::Success();  // the scratch outlives every helper: all chunks are done
+}
+
+}  // namespace
+
+#define SPECJAX_Q8HANDLER(NAME, Q)                                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, Q8DotImpl<Q>, ffi::Ffi::Bind()                  \
+                                                        .Ctx<ffi::ThreadPool>()       \
+                                                        .Arg<ffi::Buffer<ffi::F32>>() \
+                                                        .Arg<ffi::Buffer<ffi::U8>>()  \
+                                                        .Ret<ffi::Buffer<ffi::F32>>());
+SPECJAX_Q8HANDLER(SpecjaxQ8DotQ4_0, kQ4_0)
+SPECJAX_Q8HANDLER(SpecjaxQ8DotQ4_1, kQ4_1)
+SPECJAX_Q8HANDLER(SpecjaxQ8DotQ8_0, kQ8_0)
+#undef SPECJAX_Q8HANDLER
