@@ -58,6 +58,13 @@ def init_cache(cfg, num_pages, page_size: int, dtype=jnp.float32) -> KVCache:
                    v=tuple(jnp.zeros(shape(i), dtype) for i in range(cfg.num_layers)))
 
 
+def layer_windows(cfg) -> tuple:
+    """Each layer's sliding window (None: full attention; every layer of a config without
+    ``window``)."""
+    fn = getattr(cfg, "window", None)
+    return tuple(None if fn is None else fn(i) for i in range(cfg.num_layers))
+
+
 def group_table(page_table, window):
     """The page table of a layer: ``page_table`` itself when it is [B, Pmax] (one KV group, every
     family), else row ``1`` (sliding-window layers) or ``0`` (full attention) of a grouped table
