@@ -16,6 +16,14 @@ last position consumes the next token, so that token is part of what the page ho
 KV has been written (``register``), a page stays findable (``lookup``) while anyone owns it and,
 after its last owner frees it, in an LRU of free cached pages; ``allocate`` evicts from that LRU
 (least recently freed first) only when the free list is empty. ``num_free`` counts both kinds.
+
+KV groups (specjax.engine.kv_groups): with a target that has sliding-window layers (Gemma 3)
+and window page release on, this allocator serves the *global* group (full-attention layers,
+and every layer of a draft or head of that type); the sliding layers' pages come from a second
+PageAllocator of their own (``WindowGroup.alloc``, no prefix cache) whose logical page i names
+the same token range as logical page i here, and those pages go back as soon as no later query's
+window reads them. Prefix-cache rule: the two do not mix: with ``enable_prefix_caching`` the engine
+keeps one group (no release), so a cached page here always covers every layer.
 """
 
 from __future__ import annotations
