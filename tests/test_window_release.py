@@ -6,8 +6,6 @@ an early-exit draft (its sliding and full layers follow their groups' tables) an
 layer is sliding: it follows the sliding table with a lag). Releasing one page too early trips the
 scheduler's check, and without the check changes the output (the test can fail)."""
 
-import logging
-
 import jax
 import pytest
 
@@ -118,19 +116,38 @@ def test_release_rule_at_the_page_boundary():
     assert w.alloc.num_used == 0 and r.window_pages == []
 
 
-def test_prefix_caching_keeps_one_group(gemma, caplog):
-    """The prefix-cache rule: with enable_prefix_caching the engine keeps one KV group (no
-    release, a log line says so), and prefix hits reproduce plain decoding."""
+def test_prefix_hits_need_the_window_s_sliding_copies(gemma):
+    """The prefix-cache rule: sliding pages are cached under the same hash chain as global ones
+    and stay findable after release until evicted. A hit reuses the sliding copies its first
+    query's window reads (-1 below them) and reproduces plain decoding; once those copies are
+    evicted the same prefix is a miss (nothing else was cached), and output is still exact."""
     _, model = gemma
-    with caplog.at_level(logging.INFO, logger="specjax.engine.kv_groups"):
-        engine = make(model, enable_prefix_caching=True)
-    assert engine.window is None and engine.sc.groups == 1
-    assert "window page release is off" in caplog.text
-    shared = PROMPTS[3][:24]
-    prompts = [shared + [5, 6, 7], shared + [9, 10]]
-    got = [run(engine, [p])[0] for p in prompts]  # one after the other: the second hits
-    assert got == plain(model, prompts)
-    assert engine.stats()["prefix_cache_hits"] >= 16
+    engine = make(model, enable_prefix_caching=True)
+    w = engine.window
+    assert w is not None
+    shared = PROMPTS[3][:24]  # 6 full pages
+    prompts = [shared + [5, 6, 7], shared + [9, 10], shared + [11, 12, 13]]
+    ref = plain(model, prompts)
+    assert run(engine, prompts[:1]) == ref[:1]
+    assert w.num_released > 0 and w.alloc.num_cached > 0  # released, yet still findable
+    hits = engine.stats()["prefix_cache_hits"]
+    seen = []
+    w.acquire = lambda req, m, pages, f=w.acquire: (seen.append((m, list(pages))), f(req, m, pages))
+    assert run(engine, prompts[1:2]) == ref[1:2]
+    m, pages = seen[-1]  # the hit: 6 pages, sliding copies of pages 4, 5 only (window 7 at 24)
+    assert m == 6 and len(pages) == m - w.first_needed(m * PAGE) == 2
+    assert engine.stats()["prefix_cache_hits"] == hits + 24
+    # evict every cached sliding page: the hit is cut to nothing (its window's copies are gone)
+    class Dummy:
+        pass
+
+    d = Dummy()
+    w.alloc.free(w.alloc.allocate(w.alloc.num_free, d), d)
+    assert w.alloc.num_cached == 0 and engine.allocator.num_cached > 0
+    hits = engine.stats()["prefix_cache_hits"]
+    assert run(engine, prompts[2:]) == ref[2:]
+    assert seen[-1] == (0, []) and engine.stats()["prefix_cache_hits"] == hits
+    assert w.alloc.num_used == 0 and engine.allocator.num_used == 0
 
 
 def test_one_group_without_sliding_layers(gemma):
@@ -145,3 +162,24 @@ def test_one_group_without_sliding_layers(gemma):
     off = make(model, window_page_release=False)
     assert off.window is None and off.sc.groups == 1
     assert {x.shape[1] for x in off._state.target_kv.k} == {off.allocator.num_pages}
+
+
+def test_tree_copy_follows_each_layer_s_group():
+    """Tree verify's copy of the accepted path (tree.copy_slots) with a grouped table moves each
+    layer's entries through its own group's pages: the same as one-group copies layer by layer."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from specjax import kv_cache, tree  # noqa: PLC0415
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    pools = [jax.random.normal(k, (2, p, PAGE, 8)) for k, p in zip(keys, (10, 6, 10, 6))]
+    kv = kv_cache.KVCache(k=(pools[0], pools[1]), v=(pools[2], pools[3]))  # global, sliding
+    table = jnp.array([[[3, 1, 7, 2], [-1, 5, 0, 4]], [[0, 9, 4, 8], [-1, -1, 2, 3]]], jnp.int32)
+    base, count = jnp.array([5, 9], jnp.int32), jnp.array([3, 2], jnp.int32)
+    src = jnp.array([[0, 2, 4], [0, 3, 1]], jnp.int32)
+    got = tree.copy_slots(kv, table, base, src, count, (None, 7))
+    for layer, row in ((0, 0), (1, 1)):
+        one = kv_cache.KVCache(k=(kv.k[layer],), v=(kv.v[layer],))
+        want = tree.copy_slots(one, table[:, row], base, src, count)
+        assert jnp.array_equal(got.k[layer], want.k[0]) and jnp.array_equal(got.v[layer], want.v[0])
+    assert not jnp.array_equal(got.k[1], kv.k[1])  # something moved in the sliding pool

@@ -109,7 +109,8 @@ class EngineConfig:
     window_page_release: with a target that has sliding-window layers (Gemma 3), give those
       layers their own page pool and hand back each request's pages that fall out of every
       future query's window (``specjax.engine.kv_groups``; the draft's KV follows the same
-      tables). Off with ``enable_prefix_caching``; no effect on other families.
+      tables; with prefix caching a hit needs the sliding copies of its last window's pages,
+      kv_groups' rule). No effect on other families.
     num_window_pages: the sliding layers' pool size with window page release (default:
       max_slots times one request's bound, ``kv_groups.bound_per_slot``).
     With ``spec.method == "ngram"`` no draft is needed (each slot keeps its token history on

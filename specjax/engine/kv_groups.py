@@ -36,17 +36,21 @@ the margin, the write-ahead and one step's or chunk's tokens, rounded to pages),
 pool defaults to ``max_slots * per_slot`` pages instead of ``max_slots * pages_per_seq``; a short
 pool only preempts (the scheduler checks both pools), it never corrupts.
 
-Prefix caching: the sliding pages of a cached prefix would have to outlive their request, so with
-``enable_prefix_caching`` the engine keeps one KV group (no release; a log line says so): a prefix
-hit then needs nothing from a sliding pool. (vLLM instead keeps the sliding copies of the last
-window of cached pages; not done here.)
+Prefix caching (the rule, as vLLM's sliding-window manager): the sliding pool is a
+``PageAllocator`` with its own prefix cache over the same hash chain as the global one. A
+request's sliding pages are registered with its global ones and released as usual; a released
+page that is registered goes to the pool's LRU with its content intact (findable until evicted).
+A prefix hit of m global pages needs only the sliding copies its first query's window reads,
+pages ``first_needed(m * S)..m-1``; ``lookup`` shrinks the hit to the longest m whose copies are
+all still cached (a hit that needs a released-and-evicted sliding page is a miss for those pages),
+and the new request's table has -1 below them.
 """
 
 from __future__ import annotations
 
 import logging
 
-from specjax.engine.allocator import PageAllocator
+from specjax.engine.allocator import PageAllocator, page_hashes
 from specjax.kv_cache import pages_needed
 
 log = logging.getLogger(__name__)
@@ -81,10 +85,12 @@ class WindowGroup:
       window: W of the sliding layers.
       margin: positions a drafter may write or query below the target's ``q_min``.
       per_slot: the bound on live sliding pages per request (``bound_per_slot``).
+      lookahead: as ``PageAllocator`` (the global allocator's: one hash chain for both).
     """
 
-    def __init__(self, num_pages: int, page_size: int, window: int, margin: int, per_slot: int):
-        self.alloc = PageAllocator(num_pages, page_size)
+    def __init__(self, num_pages: int, page_size: int, window: int, margin: int, per_slot: int,
+                 lookahead: int = 0):
+        self.alloc = PageAllocator(num_pages, page_size, lookahead=lookahead)
         self.page_size, self.window, self.margin, self.per_slot = page_size, window, margin, per_slot
         self.check_rows = True  # verify every planned row's window is mapped (cheap, host-side)
         self.num_released = 0  # pages handed back early (counter)
@@ -102,6 +108,24 @@ class WindowGroup:
         """Index of a request's first sliding page that a query at position >= ``q_min`` (target
         or drafter) may still read: pages before it end at or below ``q_min - margin - W``."""
         return max(0, q_min - self.margin - self.window + 1) // self.page_size
+
+    def lookup(self, tokens, num_pages: int) -> tuple[int, list]:
+        """(m, pages): the longest prefix of the ``num_pages`` cached global pages of ``tokens``
+        whose sliding copies a first query at position m * S still reads (pages
+        ``first_needed(m * S)..m-1``) are all cached here, and those sliding pages."""
+        s = self.page_size
+        found = self.alloc.find(page_hashes(tokens, s, self.alloc.lookahead,
+                                            num_pages * s)[:num_pages])
+        for m in range(len(found), 0, -1):
+            window = found[self.first_needed(m * s):m]
+            if None not in window:
+                return m, window
+        return 0, []
+
+    def acquire(self, req, num_pages: int, pages) -> None:
+        """Starts ``req``'s sliding table with a prefix hit of ``num_pages`` pages whose last
+        ``len(pages)`` sliding copies are ``pages`` (from ``lookup``; -1 below them)."""
+        req.window_pages = [-1] * (num_pages - len(pages)) + self.alloc.acquire(pages, req)
 
     def allocate(self, n: int, req) -> None:
         """Extends ``req.window_pages`` by ``n`` pages (callers check ``num_free`` first)."""
@@ -152,17 +176,13 @@ def _per_layer_kv(drafter) -> bool:
 def make_window_group(cfg, target_cfg, drafter, *, max_slots: int, pages_per_seq: int,
                       num_pages: int, write_ahead: int, step_tokens: int, lag_window: int):
     """The engine's WindowGroup for ``EngineConfig`` ``cfg``, or None: no sliding layer (every
-    family but Gemma 3), ``window_page_release`` off, prefix caching on, or a drafter whose pool
-    is not a per-layer K/V cache (each but the first logs why).
+    family but Gemma 3), ``window_page_release`` off, or a drafter whose pool is not a per-layer
+    K/V cache (logged).
 
     step_tokens: most tokens a planned step adds beyond the host's known length (in-flight
     growth, a prefill chunk); lag_window: positions a lagging drafter catches up (adaptive k)."""
     window = window_of(target_cfg)
     if window is None or not cfg.window_page_release:
-        return None
-    if cfg.enable_prefix_caching:
-        log.info("window page release is off: enable_prefix_caching keeps the sliding-window "
-                 "layers' pages for every cached page (specjax.engine.kv_groups)")
         return None
     if not _per_layer_kv(drafter):
         log.info("window page release is off: drafter %s keeps another kind of pool",
@@ -175,4 +195,4 @@ def make_window_group(cfg, target_cfg, drafter, *, max_slots: int, pages_per_seq
     if size < per_slot:
         raise ValueError(f"num_window_pages {size} cannot hold one sequence's window "
                          f"({per_slot} pages of {s})")
-    return WindowGroup(size, s, window, margin, per_slot)
+    return WindowGroup(size, s, window, margin, per_slot, lookahead=drafter.lag_offset)

@@ -25,7 +25,8 @@ device holds its state). Each ``schedule()`` call plans one device step:
 6. With window page release (a target with sliding-window layers, specjax.engine.kv_groups)
    the sliding layers' pages come from their own pool: each request's pages below every later
    query's window go back at the start of ``schedule()``, new pages are taken from both pools
-   (preemption and admission check both), and every planned row's window is checked mapped.
+   (preemption and admission check both), every planned row's window is checked mapped, and a
+   prefix hit is cut to the pages whose sliding copies its first window still needs are cached.
 7. When decode rows would speculate, prefill chunks are not mixed into their step: a mixed
    step pads every decode row to the chunk width T (a [B, T] target forward that advances each
    decode row by one token, instead of a speculative step) -- with continuous batching and
@@ -239,16 +240,22 @@ class Scheduler:
                 # cached full pages of the prefix, never the last token (it is prefilled: the
                 # drafter's carried logits / hidden state are per slot)
                 hit = self.alloc.lookup(seq, len(seq) - 1) if self.prefix_caching else []
+                whit = []  # the sliding copies the hit's first query reads (kv_groups)
+                if win is not None and hit:
+                    m, whit = win.lookup(seq, len(hit))
+                    hit = hit[:m]
                 h = len(hit) * self.alloc.page_size
                 c = int(min(len(seq) - h, tmax, budget))
                 n = self.alloc.pages_for(min(h + c + self.ahead, self.max_tokens_per_seq)) - len(hit)
                 if n + self.alloc.num_evictable(hit) + spare > self.alloc.num_free or (
-                        win is not None and n + spare > win.num_free):
+                        win is not None
+                        and n + win.alloc.num_evictable(whit) + spare > win.num_free):
                     break
                 self.waiting.popleft()
                 r.slot = self.free_slots.pop()
                 r.pages = self.alloc.acquire(hit, r) + self.alloc.allocate(n, r)
-                if win is not None:  # no prefix caching with window release: hit == []
+                if win is not None:
+                    win.acquire(r, len(hit), whit)
                     win.allocate(n, r)
                 r.seq, r.num_prefilled, r.cached_prefix, r.state = seq, h, h, PREFILL
                 if self.prefix_caching:
@@ -274,7 +281,10 @@ class Scheduler:
                                 next_token=0 if final else r.seq[start + c]))
                 r.num_prefilled += c
                 if self.prefix_caching:  # KV of these pages is written by this step
-                    self.alloc.register(r.pages, r.seq, min(r.num_prefilled, len(r.seq) - 1), r)
+                    limit = min(r.num_prefilled, len(r.seq) - 1)
+                    self.alloc.register(r.pages, r.seq, limit, r)
+                    if win is not None:
+                        win.alloc.register(r.window_pages, r.seq, limit, r)
                 if final:
                     r.state = DECODE  # from the next step on, the device holds its state
         self._last_prefill_only = False
