@@ -94,6 +94,22 @@ def test_release_one_page_too_early_is_caught(gemma, monkeypatch):
     assert run(engine) != plain(model, PROMPTS)
 
 
+def test_short_window_pool_waits_or_preempts_never_corrupts(gemma):
+    """A sliding pool of one request's bound: admissions wait on it and decode growth preempts
+    (the scheduler checks both pools), and outputs stay exact."""
+    _, model = gemma
+    per_slot = make(model).window.per_slot
+    engine = make(model, num_window_pages=per_slot)
+    assert engine.window.num_pages == per_slot
+    max_running = []
+    sched = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda now: (max_running.append(len(engine.scheduler.running)),
+                                             sched(now))[1]
+    assert run(engine) == plain(model, PROMPTS)
+    assert engine.window.max_live <= per_slot and engine.window.alloc.num_used == 0
+    assert engine.scheduler.num_preemptions > 0 and max(max_running) < 4  # of 4 slots
+
+
 def test_release_rule_at_the_page_boundary():
     """A page goes back exactly when its last position is below the window of a query at
     q_min: with W = 8, S = 4 a query at 11 reads 4.., one at 12 reads 5.. (page 1 kept),
