@@ -217,6 +217,7 @@ class Scheduler:
             return 0
 
         preempted = False
+
         def num_free():  # new pages come from both pools with window release
             return self.alloc.num_free if win is None else min(self.alloc.num_free, win.num_free)
 
