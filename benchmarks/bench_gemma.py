@@ -8,9 +8,9 @@ load recorded), every output checked token for token against plain decoding. Acc
 (``mean_accepted_length`` = 1 + accepted / speculative steps, per position) does not depend on
 load; the speedups do: run it on a quiet machine with ``--rounds 5``.
 
-Also the KV memory of one sequence with every page kept (what the engine does: window page
-release is not built) and what releasing pages that left a sliding layer's window would keep
-(computed from the config, not measured).
+Also the KV memory of one sequence with every page kept and with window page release, as
+*predicted* from the config (``kv_bytes``); the engine's measured figures (its allocators, window
+page release on and off, specjax.engine.kv_groups) come from benchmarks/bench_gemma_kv.py.
 
   python benchmarks/bench_gemma.py --rounds 5 --out benchmarks/results/gemma3_270m.json
 """
@@ -23,21 +23,9 @@ import os
 
 import specjax as sj
 from bench_drafts import _machine, time_configs
+from bench_gemma_kv import kv_bytes  # predicted; measured in the engine by bench_gemma_kv.py
 from specjax.provenance import with_provenance
 from specjax.train.corpora import wiki_entries
-
-
-def kv_bytes(cfg, context: int, page_size: int = 16, release: bool = False) -> int:
-    """KV bytes of one ``context``-token sequence (float32 pages of ``page_size``); with
-    ``release`` a sliding layer keeps only the pages its window (plus the page being written)
-    still reads."""
-    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, float32
-    total = 0
-    for i in range(cfg.num_layers):
-        w = cfg.window(i)
-        tokens = context if (w is None or not release) else min(context, w + page_size)
-        total += -(-tokens // page_size) * page_size * per_token
-    return total
 
 
 def main(argv=None):
@@ -72,7 +60,7 @@ def main(argv=None):
     memory = {f"context {c}": dict(kept=kv_bytes(cfg, c), window_release=kv_bytes(cfg, c, release=True))
               for c in (2048, 8192, 32768) if c <= cfg.max_position_embeddings}
     print(f"plain: {plain_tps:.1f} tokens/s (batch 1, median of {args.rounds} rounds); KV of one "
-          f"sequence, MiB kept / with window release: "
+          f"sequence, MiB kept / with window release (predicted; measured: bench_gemma_kv.py): "
           + ", ".join(f"{k}: {v['kept'] / 2**20:.0f} / {v['window_release'] / 2**20:.0f}"
                       for k, v in memory.items()))
     if args.out:

@@ -9,8 +9,10 @@ With a sliding ``window`` (Gemma 3's local layers), query t also needs
 ``q_pos[b, t] - j < window`` for key slot j (a slot counts as its position: exact for the prefix
 and for chains, where slot = position; tree callers fold the window into ``new_mask`` by node
 positions, ``gemma.window_new_mask``); ``q_pos`` defaults to ``cache_start + t``.
-Everything else (stale entries beyond the sequence, other sequences' pages) is never read:
-its scores are masked and its values zeroed, so even NaN-poisoned pages cannot leak in.
+Everything else (stale entries beyond the sequence, other sequences' pages, and with a window
+the slots below every query's window of the row: the engine's released window pages,
+specjax.engine.kv_groups) is never read: its scores are masked and its values zeroed, so even
+NaN-poisoned pages cannot leak in.
 
 Implementations (``impl``):
   * "reference": plain jnp/XLA, ``paged_attention_blockwise`` below: an online softmax over
@@ -80,6 +82,7 @@ def paged_attention_blockwise(q, k_pages, v_pages, page_table, cache_start, num_
         if q_pos is None:
             q_pos = cache_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         first = jnp.maximum(jnp.min(q_pos) - window + 1, 0) // bk  # [] first block in a window
+        row_qmin = jnp.min(q_pos, axis=1)[:, None]  # [B, 1]
     else:
         first = jnp.int32(0)
     qr = (q.reshape(b, t, hkv, g, d).transpose(2, 0, 3, 1, 4).reshape(hkv, b, g * t, d)
@@ -94,6 +97,8 @@ def paged_attention_blockwise(q, k_pages, v_pages, page_table, cache_start, num_
         rel = j - start  # [B, bk] index among the new tokens
         in_new = (rel >= 0) & (rel < num_new[:, None])
         readable = (j < start) | in_new
+        if window is not None:  # below every query's window: released pages, never read
+            readable = readable & ((row_qmin - j) < window)  # (zeroed: no 0 * garbage)
         rel_c = jnp.clip(rel, 0, t - 1)
         new_ok = jnp.take_along_axis(new_mask, jnp.broadcast_to(rel_c[:, None, :], (b, t, bk)),
                                      axis=2)

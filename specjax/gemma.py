@@ -182,6 +182,7 @@ def decoder_layer(lp, cfg: Gemma3Config, i: int, x, positions, k_pages, v_pages,
     b, t, _ = x.shape
     h, hkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
     window = cfg.window(i)
+    page_table = kv_cache.group_table(page_table, window)  # [B, Pmax] (a grouped table: its row)
     freqs = jnp.asarray(inv_freq(cfg, i))
     with jax.named_scope("attention"):
         y = rms_norm(x, lp["attn_norm"], eps)

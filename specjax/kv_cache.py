@@ -37,14 +37,41 @@ class KVCache:
         return self.k[0].shape[2]
 
 
-def init_cache(cfg, num_pages: int, page_size: int, dtype=jnp.float32) -> KVCache:
+def init_cache(cfg, num_pages, page_size: int, dtype=jnp.float32) -> KVCache:
     """Allocates zeroed pools: num_pages pages of page_size tokens for every layer of ``cfg``
-    (any config with num_layers, num_kv_heads and head_dim; kv_cache imports no config module)."""
-    if num_pages < 1 or page_size < 1:
+    (any config with num_layers, num_kv_heads and head_dim; kv_cache imports no config module).
+
+    ``num_pages`` may be a pair ``(P, P_window)`` (the engine's window page release,
+    specjax.engine.kv_groups): then the layers with a sliding window (``cfg.window(i)`` not None)
+    get pools of ``P_window`` pages and the others ``P``; such pools are addressed by a grouped
+    page table (``group_table``)."""
+    pages = (num_pages, num_pages) if not isinstance(num_pages, tuple) else num_pages
+    if len(pages) != 2 or min(pages) < 1 or page_size < 1:
         raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
-    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-    return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-                   v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+    windowed = getattr(cfg, "window", None)
+
+    def shape(i):
+        n = pages[1] if windowed is not None and windowed(i) is not None else pages[0]
+        return (cfg.num_kv_heads, n, page_size, cfg.head_dim)
+
+    return KVCache(k=tuple(jnp.zeros(shape(i), dtype) for i in range(cfg.num_layers)),
+                   v=tuple(jnp.zeros(shape(i), dtype) for i in range(cfg.num_layers)))
+
+
+def layer_windows(cfg) -> tuple:
+    """Each layer's sliding window (None: full attention; every layer of a config without
+    ``window``)."""
+    fn = getattr(cfg, "window", None)
+    return tuple(None if fn is None else fn(i) for i in range(cfg.num_layers))
+
+
+def group_table(page_table, window):
+    """The page table of a layer: ``page_table`` itself when it is [B, Pmax] (one KV group, every
+    family), else row ``1`` (sliding-window layers) or ``0`` (full attention) of a grouped table
+    [B, 2, Pmax] (specjax.engine.kv_groups: the sliding layers' pages live in their own pool)."""
+    if page_table.ndim == 2:
+        return page_table
+    return page_table[:, 0 if window is None else 1]
 
 
 def locate_slots(page_table, slots, num_pages: int, page_size: int):

@@ -161,6 +161,7 @@ def decoder_layer(lp, cfg: ModelConfig, x, positions, k_pages, v_pages, page_tab
     """
     b, t, _ = x.shape
     h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    page_table = kv_cache.group_table(page_table, None)  # a Gemma head's Llama midlayer: global
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     with jax.named_scope("attention"):
         y = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps) if attn_in is None else attn_in

@@ -335,27 +335,36 @@ def accept_tree(keys, tokens, parents, depth, target_probs=None, target_logits=N
         keys, tokens.astype(jnp.int32), parents, depth, target_probs.astype(jnp.float32))
 
 
-def copy_slots(kv, page_table, base, src, count):
+def copy_slots(kv, page_table, base, src, count, windows=None):
     """Moves cache entries of every layer: slot ``base + src[b, i]`` -> slot ``base + i`` for
     ``i < count[b]`` (the accepted tree path into cache order). All reads happen before writes.
 
     Args:
-      kv: KVCache with pools [Hkv, P, S, Dh]; page_table [B, Pmax]; base [B] int32;
+      kv: KVCache with pools [Hkv, P, S, Dh]; page_table [B, Pmax], or a grouped [B, 2, Pmax]
+        (the engine's window page release: ``kv_cache.group_table``) with ``windows``, each
+        layer's window (``kv_cache.layer_windows``); base [B] int32;
       src: [B, L] int32 node offsets; count: [B] int32 entries to move.
     Returns:
       the updated KVCache (donate it for an in-place update).
     """
-    _, num_pages, s, _ = kv.k[0].shape
+    s = kv.k[0].shape[2]
     length = src.shape[1]
     i = jnp.arange(length, dtype=jnp.int32)[None, :]
-    src_page, src_off = kv_cache.locate_slots(page_table, base[:, None] + src, num_pages, s)
-    dst_page, dst_off = kv_cache.locate_slots(page_table, base[:, None] + i, num_pages, s)
     move = (i < count[:, None]) & (src != i)
-    dst_page = jnp.where(move, dst_page, num_pages)  # not moved -> dropped write
-    src_page = jnp.minimum(src_page, num_pages - 1)
 
-    def apply(pool):
+    def locate(table, num_pages):
+        src_page, src_off = kv_cache.locate_slots(table, base[:, None] + src, num_pages, s)
+        dst_page, dst_off = kv_cache.locate_slots(table, base[:, None] + i, num_pages, s)
+        dst_page = jnp.where(move, dst_page, num_pages)  # not moved -> dropped write
+        return jnp.minimum(src_page, num_pages - 1), src_off, dst_page, dst_off
+
+    shared = locate(page_table, kv.k[0].shape[1]) if page_table.ndim == 2 else None
+
+    def apply(j, pool):
+        src_page, src_off, dst_page, dst_off = shared or locate(
+            kv_cache.group_table(page_table, windows[j]), pool.shape[1])
         rows = pool[:, src_page, src_off]  # [Hkv, B, L, Dh]
         return pool.at[:, dst_page, dst_off].set(rows, mode="drop")
 
-    return type(kv)(k=tuple(apply(p) for p in kv.k), v=tuple(apply(p) for p in kv.v))
+    return type(kv)(k=tuple(apply(j, p) for j, p in enumerate(kv.k)),
+                    v=tuple(apply(j, p) for j, p in enumerate(kv.v)))

@@ -16,6 +16,18 @@ last position consumes the next token, so that token is part of what the page ho
 KV has been written (``register``), a page stays findable (``lookup``) while anyone owns it and,
 after its last owner frees it, in an LRU of free cached pages; ``allocate`` evicts from that LRU
 (least recently freed first) only when the free list is empty. ``num_free`` counts both kinds.
+
+KV groups (specjax.engine.kv_groups): with a target that has sliding-window layers (Gemma 3)
+and window page release on, this allocator serves the *global* group (full-attention layers,
+and every layer of a draft or head of that type); the sliding layers' pages come from a second
+PageAllocator of their own (``WindowGroup.alloc``, no prefix cache) whose logical page i names
+the same token range as logical page i here, and those pages go back as soon as no later query's
+window reads them. Prefix-cache rule: both allocators cache pages under the same hash chain
+(``register`` skips released entries, -1). A released sliding page that was registered goes to
+the sliding allocator's LRU with its content intact, so it stays findable until evicted; a prefix
+hit of m pages here counts only as far as the sliding copies that its first query's window reads
+(pages ``first_needed(m * S)..m-1``) are still cached there, else it shrinks to the longest m
+that has them (``WindowGroup.lookup``): a hit whose sliding copy is gone is a miss for those pages.
 """
 
 from __future__ import annotations
@@ -146,6 +158,10 @@ class PageAllocator:
             pages.append(p)
         return pages
 
+    def find(self, hashes) -> list:
+        """The cached page of each of ``hashes`` (``page_hashes``), None where there is none."""
+        return [self._by_hash.get(h) for h in hashes]
+
     def num_evictable(self, pages) -> int:
         """How many of ``pages`` sit in the LRU (acquiring them takes them out of ``num_free``)."""
         return sum(p in self._lru for p in pages)
@@ -171,6 +187,8 @@ class PageAllocator:
         new = 0
         for i, h in enumerate(page_hashes(tokens, self.page_size, self.lookahead, limit)):
             p = pages[i]
+            if p < 0:
+                continue  # a released sliding-window page (kv_groups): nothing to cache
             if not any(o is owner for o in self._owners.get(p, ())):
                 raise ValueError(f"page {p} is not owned by {owner!r}")
             if h in self._by_hash or p in self._hash_of:

@@ -106,6 +106,13 @@ class EngineConfig:
       last position consumes it). Off by default (see the report in the issue: not yet run
       against the whole suite). With "ngram" the slot's token history gets the cached prefix's
       tokens before its first prefill chunk (drafts as if it had been prefilled).
+    window_page_release: with a target that has sliding-window layers (Gemma 3), give those
+      layers their own page pool and hand back each request's pages that fall out of every
+      future query's window (``specjax.engine.kv_groups``; the draft's KV follows the same
+      tables; with prefix caching a hit needs the sliding copies of its last window's pages,
+      kv_groups' rule). No effect on other families.
+    num_window_pages: the sliding layers' pool size with window page release (default:
+      max_slots times one request's bound, ``kv_groups.bound_per_slot``).
     With ``spec.method == "ngram"`` no draft is needed (each slot keeps its token history on
     device); with ``spec.adaptive`` every speculative step picks k on device, from a cost model
     measured for each batch bucket at ``warmup()`` (speculation fades out as batches become
@@ -125,6 +132,8 @@ class EngineConfig:
     record_timeline: bool = False
     enable_prefix_caching: bool = False
     num_speculative_tokens_per_batch_size: tuple | None = None
+    window_page_release: bool = True
+    num_window_pages: int | None = None
 
 
 def _is_int(x) -> bool:
@@ -171,7 +180,10 @@ def resolve(cfg: EngineConfig, target_cfg) -> tuple[str, tuple, tuple]:
         raise ValueError(f"EngineConfig.seed must be an int in [0, 2**63), got {cfg.seed!r}")
     if not isinstance(cfg.record_timeline, bool):
         raise TypeError(f"EngineConfig.record_timeline must be a bool, got {cfg.record_timeline!r}")
-    for name in ("spec_max_batch", "max_prefill_tokens", "num_pages"):
+    if not isinstance(cfg.window_page_release, bool):
+        raise TypeError(f"EngineConfig.window_page_release must be a bool, got "
+                        f"{cfg.window_page_release!r}")
+    for name in ("spec_max_batch", "max_prefill_tokens", "num_pages", "num_window_pages"):
         value = getattr(cfg, name)
         if value is not None and (not _is_int(value) or value < (0 if name == "spec_max_batch" else 1)):
             raise ValueError(f"{name} must be None or a positive int, got {value!r}")

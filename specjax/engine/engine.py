@@ -51,7 +51,7 @@ import numpy as np
 from specjax import native, registry, request, speculate
 from specjax.api import check_draft
 from specjax.config import SpecConfig
-from specjax.engine import grammar, steps
+from specjax.engine import grammar, kv_groups, steps
 from specjax.engine.config import (SCHEDULES, EngineConfig, RequestParams,  # noqa: F401
                                    _is_int, check_spec_table, parse_spec_tokens_per_batch_size,
                                    resolve)
@@ -107,14 +107,20 @@ class Engine:
             raise ValueError(f"num_pages {num_pages} cannot hold one sequence of max_model_len "
                              f"{cfg.max_model_len} (needs {pages_per_seq} pages of {spec.page_size})")
         history_len = (pages_per_seq * spec.page_size + token_buckets[-1] + 1) if spec.uses_history else 0
+        # sliding-window layers' pages in a pool of their own, released as requests advance
+        self.window = kv_groups.make_window_group(
+            cfg, target.config, drafter, max_slots=cfg.max_slots, pages_per_seq=pages_per_seq,
+            num_pages=num_pages, write_ahead=write_ahead, lag_window=speculate.LAG_WINDOW,
+            step_tokens=max(token_buckets[-1], self.k_eff + 1))
+        pools = num_pages if self.window is None else (num_pages, self.window.num_pages)
         self.sc = steps.StepConfig(lc=spec, num_slots=cfg.max_slots, pages_per_seq=pages_per_seq,
-                                   history_len=history_len)
+                                   history_len=history_len, groups=1 + (self.window is not None))
         self._costs: dict = {}  # batch bucket -> [K+1] device array (adaptive k)
         # CPU: linear weights packed for the native few-row matmul (specjax.native)
         self._target_params = native.inference_params(target)
         self._draft_params = None if draft is None else native.inference_params(draft, target)
         self._draft_cfg = None if draft is None else draft.config
-        self._state = steps.init_state(target.config, self._draft_cfg, self.sc, num_pages,
+        self._state = steps.init_state(target.config, self._draft_cfg, self.sc, pools,
                                        target.dtype)
         if not isinstance(cfg.enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got "
@@ -139,7 +145,7 @@ class Engine:
             write_ahead=write_ahead,
             speculative=self.k_eff > 0, spec_max_batch=cfg.spec_max_batch,
             pages_per_seq=pages_per_seq, max_prefill_tokens=cfg.max_prefill_tokens,
-            prefix_caching=cfg.enable_prefix_caching, k_table=k_table)
+            prefix_caching=cfg.enable_prefix_caching, k_table=k_table, window=self.window)
         self.metrics = EngineMetrics(self.k_eff)
         self.timeline: list = []
         self.host_time_s = 0.0  # time in step() not spent blocked on the device
@@ -406,7 +412,7 @@ class Engine:
     def _row_dict(self, row) -> dict:
         r = row.req
         d = {"kind": row.kind, "slot": r.slot, "seed": r.seed, "temperature": r.temperature,
-             "top_k": r.top_k, "top_p": r.top_p, "pages": r.pages}
+             "top_k": r.top_k, "top_p": r.top_p, "pages": r.pages, "window_pages": r.window_pages}
         if row.kind == steps.KIND_PREFILL:
             d.update(start=row.start, tokens=row.tokens, final=row.final, next_token=row.next_token)
         return d
@@ -603,11 +609,16 @@ class Engine:
 
     def occupancy(self) -> dict:
         """Current load, readable from any thread: requests running (holding a slot) and
-        waiting (queued or not yet drained), KV pages in use and in the pool."""
-        return {"num_requests_running": len(self.scheduler.running),
-                "num_requests_waiting": len(self.scheduler.waiting) + self._submitted.qsize(),
-                "kv_pages_in_use": self.allocator.num_used,
-                "kv_pages_total": self.allocator.num_pages}
+        waiting (queued or not yet drained), KV pages in use and in the pool (with window page
+        release also the sliding layers' pool: ``kv_window_pages_*``)."""
+        occ = {"num_requests_running": len(self.scheduler.running),
+               "num_requests_waiting": len(self.scheduler.waiting) + self._submitted.qsize(),
+               "kv_pages_in_use": self.allocator.num_used,
+               "kv_pages_total": self.allocator.num_pages}
+        if self.window is not None:
+            occ.update(kv_window_pages_in_use=self.window.alloc.num_used,
+                       kv_window_pages_total=self.window.num_pages)
+        return occ
 
     def stats(self) -> dict:
         """Metrics snapshot (see specjax.engine.metrics) plus the engine's own counters."""

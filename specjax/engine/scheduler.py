@@ -22,7 +22,12 @@ device holds its state). Each ``schedule()`` call plans one device step:
 5. The step kind: any prefill chunk -> an ordinary ("extend") step where decode rows take one
    token; decode rows only -> a speculative step, unless the method is "none" or the batch is
    larger than ``spec_max_batch`` (then an ordinary one-token step).
-6. When decode rows would speculate, prefill chunks are not mixed into their step: a mixed
+6. With window page release (a target with sliding-window layers, specjax.engine.kv_groups)
+   the sliding layers' pages come from their own pool: each request's pages below every later
+   query's window go back at the start of ``schedule()``, new pages are taken from both pools
+   (preemption and admission check both), every planned row's window is checked mapped, and a
+   prefix hit is cut to the pages whose sliding copies its first window still needs are cached.
+7. When decode rows would speculate, prefill chunks are not mixed into their step: a mixed
    step pads every decode row to the chunk width T (a [B, T] target forward that advances each
    decode row by one token, instead of a speculative step) -- with continuous batching and
    staggered finishes that happens at nearly every admission. Instead the step runs the
@@ -60,6 +65,7 @@ class Request:
     state: str = WAITING
     slot: int = -1
     pages: list = dataclasses.field(default_factory=list)
+    window_pages: list = dataclasses.field(default_factory=list)  # sliding group's (-1 released)
     seq: list = dataclasses.field(default_factory=list)  # tokens to prefill (prompt + output)
     num_prefilled: int = 0
     cached_prefix: int = 0  # tokens the prefix cache supplied at admission (not yet seeded)
@@ -105,6 +111,13 @@ class Plan:
     k: int = 0  # drafts per row of a "spec" step (EngineConfig.num_speculative_tokens_per_batch_size)
 
 
+def _q_min(r: Request) -> int:
+    """A lower bound on every position a later step of ``r`` writes or queries (before a
+    drafter's margin): a decoding request writes from slot n - 1 with n >= the host's known
+    length; a prefilling one from its next chunk's start (specjax.engine.kv_groups)."""
+    return r.num_known - 1 if r.state == DECODE else r.num_prefilled
+
+
 def bucket(n: int, buckets) -> int:
     """Smallest bucket >= n (buckets sorted ascending; n <= the largest)."""
     for b in buckets:
@@ -119,8 +132,9 @@ class Scheduler:
     def __init__(self, allocator: PageAllocator, *, num_slots: int, token_buckets, k_eff: int,
                  write_ahead: int, speculative: bool, spec_max_batch: int | None, pages_per_seq: int,
                  max_prefill_tokens: int | None, prefix_caching: bool = False,
-                 k_table: tuple | None = None):
+                 k_table: tuple | None = None, window=None):
         self.alloc = allocator
+        self.window = window  # kv_groups.WindowGroup (sliding layers' pages) or None
         self.num_slots = num_slots
         self.token_buckets = tuple(token_buckets)
         self.k1 = k_eff + 1  # most tokens a speculative step adds
@@ -147,6 +161,8 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.alloc.free(req.pages, req)
         req.pages = []
+        if self.window is not None:
+            self.window.free(req)
         self.free_slots.append(req.slot)
         req.slot = -1
         self.running.remove(req)
@@ -181,8 +197,12 @@ class Scheduler:
         n_decode = sum(r.state == DECODE for r in self.running)
         split = n_decode > 0 and self._speculates(n_decode)
         if split and self._last_prefill_only:
-            budget = 0  # a speculative step for the decode rows first (point 6)
+            budget = 0  # a speculative step for the decode rows first (point 7)
         chunks: dict = {}
+        win = self.window
+        if win is not None:  # sliding pages no later step of a request reads go back first
+            for r in self.running:
+                win.release(r, _q_min(r))
         for r in self.running:
             if r.state == PREFILL and budget > 0:
                 c = int(min(len(r.seq) - r.num_prefilled, tmax, budget))
@@ -197,7 +217,11 @@ class Scheduler:
             return 0
 
         preempted = False
-        while self.running and sum(need(r) for r in self.running) > self.alloc.num_free:
+
+        def num_free():  # new pages come from both pools with window release
+            return self.alloc.num_free if win is None else min(self.alloc.num_free, win.num_free)
+
+        while self.running and sum(need(r) for r in self.running) > num_free():
             victim = self.running[-1]
             chunks.pop(victim, None)
             self.preempt(victim)
@@ -206,6 +230,8 @@ class Scheduler:
             n = need(r)
             if n:
                 r.pages += self.alloc.allocate(n, r)
+                if win is not None:
+                    win.allocate(n, r)
 
         if not preempted:
             spare = sum(r.state == DECODE for r in self.running)  # one growth page per decode row
@@ -215,14 +241,23 @@ class Scheduler:
                 # cached full pages of the prefix, never the last token (it is prefilled: the
                 # drafter's carried logits / hidden state are per slot)
                 hit = self.alloc.lookup(seq, len(seq) - 1) if self.prefix_caching else []
+                whit = []  # the sliding copies the hit's first query reads (kv_groups)
+                if win is not None and hit:
+                    m, whit = win.lookup(seq, len(hit))
+                    hit = hit[:m]
                 h = len(hit) * self.alloc.page_size
                 c = int(min(len(seq) - h, tmax, budget))
                 n = self.alloc.pages_for(min(h + c + self.ahead, self.max_tokens_per_seq)) - len(hit)
-                if n + self.alloc.num_evictable(hit) + spare > self.alloc.num_free:
+                if n + self.alloc.num_evictable(hit) + spare > self.alloc.num_free or (
+                        win is not None
+                        and n + win.alloc.num_evictable(whit) + spare > win.num_free):
                     break
                 self.waiting.popleft()
                 r.slot = self.free_slots.pop()
                 r.pages = self.alloc.acquire(hit, r) + self.alloc.allocate(n, r)
+                if win is not None:
+                    win.acquire(r, len(hit), whit)
+                    win.allocate(n, r)
                 r.seq, r.num_prefilled, r.cached_prefix, r.state = seq, h, h, PREFILL
                 if self.prefix_caching:
                     self.prefix_cache_queries += len(seq)
@@ -235,6 +270,8 @@ class Scheduler:
 
         rows = []
         for r in self.running:
+            if win is not None and win.check_rows and (r.state == DECODE or r in chunks):
+                win.check(r, _q_min(r), len(r.pages) * self.alloc.page_size)
             if r.state == DECODE:
                 rows.append(Row(r, r.epoch, KIND_DECODE, commit=True))
             elif r in chunks:
@@ -245,7 +282,10 @@ class Scheduler:
                                 next_token=0 if final else r.seq[start + c]))
                 r.num_prefilled += c
                 if self.prefix_caching:  # KV of these pages is written by this step
-                    self.alloc.register(r.pages, r.seq, min(r.num_prefilled, len(r.seq) - 1), r)
+                    limit = min(r.num_prefilled, len(r.seq) - 1)
+                    self.alloc.register(r.pages, r.seq, limit, r)
+                    if win is not None:
+                        win.alloc.register(r.window_pages, r.seq, limit, r)
                 if final:
                     r.state = DECODE  # from the next step on, the device holds its state
         self._last_prefill_only = False

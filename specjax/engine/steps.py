@@ -15,7 +15,7 @@ Every step takes one int32 metadata buffer ``meta [B, W]`` (B = a static batch b
 the host (``pack``) and copied to the device in one transfer. Row layout (``COL_*``)::
 
     kind | slot | start | num_new | final | next_token | seed | temperature | top_k | top_p |
-    page_table [Pmax] | tokens [T]
+    page_table [G * Pmax] | tokens [T]
 
 * kind: 0 padding (slot S, pages -1: nothing is written), 1 prefill chunk, 2 decode row.
 * prefill chunk: ``tokens[:num_new]`` at positions ``start..``; ``final`` chunks end the prompt
@@ -23,6 +23,9 @@ the host (``pack``) and copied to the device in one transfer. Row layout (``COL_
   token, which the draft / head needs at the chunk's end.
 * decode row: start, token and length come from the device's slot state.
 * temperature and top_p are float32 bit patterns.
+* page_table: G = ``StepConfig.groups`` tables of Pmax ids: the global pages, then (G = 2) the
+  sliding-window layers' pages (-1 = released), unpacked as a grouped table [B, 2, Pmax]
+  (``kv_cache.group_table`` picks each layer's row).
 
 Two step functions (different static shapes, each jitted once per bucket):
 
@@ -69,14 +72,21 @@ class StepConfig:
     num_slots: int  # S request slots (slot S is the padding dummy)
     pages_per_seq: int  # Pmax page-table width
     history_len: int = 0  # L of the per-slot token history (n-gram drafting; 0 = none)
+    groups: int = 1  # KV groups: 2 = global + sliding-window pages (specjax.engine.kv_groups)
+
+    @property
+    def table_cols(self) -> int:
+        """Page-table columns of a metadata row (groups x Pmax)."""
+        return self.groups * self.pages_per_seq
 
     def width(self, t: int) -> int:
         """Metadata row width W for T tokens per row."""
-        return NUM_COLS + self.pages_per_seq + t
+        return NUM_COLS + self.table_cols + t
 
 
-def init_state(target_cfg, draft_cfg, sc: StepConfig, num_pages: int, dtype) -> speculate.DecodeState:
-    """Zeroed pools of ``num_pages`` pages for target and draft, and S+1 empty slots.
+def init_state(target_cfg, draft_cfg, sc: StepConfig, num_pages, dtype) -> speculate.DecodeState:
+    """Zeroed pools of ``num_pages`` pages for target and draft, and S+1 empty slots
+    (``num_pages`` = (P, P_window) with two KV groups: ``kv_cache.init_cache``).
 
     The slot state is a ``speculate.DecodeState`` over S+1 rows: its per-row fields
     (``DecodeState.PER_ROW``: lengths, last_token, the drafter's carry, history, lag window)
@@ -120,7 +130,8 @@ def pack(rows, sc: StepConfig, batch: int, t: int) -> np.ndarray:
     meta = np.zeros((batch, sc.width(t)), np.int32)
     meta[:, COL_SLOT] = sc.num_slots
     meta[:, COL_NUM_NEW] = 1
-    meta[:, NUM_COLS:NUM_COLS + sc.pages_per_seq] = -1
+    p = sc.pages_per_seq
+    meta[:, NUM_COLS:NUM_COLS + sc.table_cols] = -1
     fbits = np.zeros((batch, 2), np.float32)
     fbits[:, 1] = 1.0  # top_p of padding rows
     for i, r in enumerate(rows):
@@ -131,13 +142,16 @@ def pack(rows, sc: StepConfig, batch: int, t: int) -> np.ndarray:
         fbits[i] = (r["temperature"], r["top_p"])
         pages = r["pages"]
         meta[i, NUM_COLS:NUM_COLS + len(pages)] = pages
+        if sc.groups == 2:
+            window_pages = r["window_pages"]
+            meta[i, NUM_COLS + p:NUM_COLS + p + len(window_pages)] = window_pages
         if r["kind"] == KIND_PREFILL:
             toks = r["tokens"]
             meta[i, COL_START] = r["start"]
             meta[i, COL_NUM_NEW] = len(toks)
             meta[i, COL_FINAL] = int(r["final"])
             meta[i, COL_NEXT] = r.get("next_token", 0)
-            meta[i, NUM_COLS + sc.pages_per_seq:NUM_COLS + sc.pages_per_seq + len(toks)] = toks
+            meta[i, NUM_COLS + sc.table_cols:NUM_COLS + sc.table_cols + len(toks)] = toks
     meta[:, COL_TEMP] = fbits[:, 0].view(np.int32)
     meta[:, COL_TOP_P] = fbits[:, 1].view(np.int32)
     return meta
@@ -146,8 +160,9 @@ def pack(rows, sc: StepConfig, batch: int, t: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- device steps
 
 def _unpack(meta, sc: StepConfig):
-    """Splits meta [B, W] into named columns; returns (cols dict, page_table [B, Pmax], tokens [B, T])."""
-    p = sc.pages_per_seq
+    """Splits meta [B, W] into named columns; returns (cols dict, page_table [B, Pmax] or
+    grouped [B, 2, Pmax], tokens [B, T])."""
+    p = sc.table_cols
     cols = {
         "kind": meta[:, COL_KIND], "slot": meta[:, COL_SLOT], "start": meta[:, COL_START],
         "num_new": meta[:, COL_NUM_NEW], "final": meta[:, COL_FINAL] > 0,
@@ -158,7 +173,10 @@ def _unpack(meta, sc: StepConfig):
     valid = cols["kind"] != KIND_PAD
     cols["valid"] = valid
     cols["slot"] = jnp.where(valid, cols["slot"], sc.num_slots)  # padding -> the dummy slot
-    return cols, meta[:, NUM_COLS:NUM_COLS + p], meta[:, NUM_COLS + p:]
+    table = meta[:, NUM_COLS:NUM_COLS + p]
+    if sc.groups == 2:
+        table = table.reshape(table.shape[0], 2, sc.pages_per_seq)
+    return cols, table, meta[:, NUM_COLS + p:]
 
 
 def _row_params(cols, max_new: int) -> speculate.RowParams:

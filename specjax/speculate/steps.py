@@ -247,7 +247,8 @@ def tree_step(models: Models, state: DecodeState, rp: RowParams, plan: Plan, pro
     emitted = emitted_tokens(path_tokens[:, 1:], a, y)  # [B, D+1]
     # The accepted path's K/V into cache order (root already sits at n - 1).
     target_kv = tree.copy_slots(target_kv, state.page_table, n - 1, path,
-                                jnp.where(active, a + 1, 0))
+                                jnp.where(active, a + 1, 0),
+                                kv_cache.layer_windows(plan.target_cfg))
 
     def on_path(x):  # [B, N+1, .] -> [B, D+1, .] the accepted path's rows
         return None if x is None else jnp.take_along_axis(x, path[:, :, None], axis=1)
