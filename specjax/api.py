@@ -72,6 +72,10 @@ def load_model(path: str, dtype=jnp.float32, mesh=None, weights: str = "quantize
     if activations == "int8" and weights != "quantized":
         raise ValueError("load_model: activations='int8' needs weights='quantized' (it multiplies "
                          "the GGUF's own blocks)")
+    if activations == "int8" and not (path in BUILTIN_MODELS or path.endswith(".gguf")) \
+            or activations == "int8" and mesh is not None:
+        raise ValueError(f"load_model: activations='int8' needs a GGUF target on one CPU device "
+                         f"(a built-in model or a .gguf file, no mesh), got {path!r}")
     if path in BUILTIN_MODELS:
         cfg, params = gguf.load_gguf(gguf.builtin_gguf_path(path))
     elif isinstance(path, str) and path.endswith(".gguf") and os.path.isfile(path):

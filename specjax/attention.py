@@ -31,6 +31,8 @@ P pool pages, Pmax page-table width, C pages per block.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -39,6 +41,7 @@ from jax import lax
 # imports pallas_kernels, never the other way round.
 from pallas_kernels import dispatch as _pallas
 from pallas_kernels.paged_attention import causal_mask, paged_attention_reference  # noqa: F401
+from specjax import native_attention
 
 IMPLS = ("reference", "pallas")
 BLOCK_TOKENS = 256  # keys per block of the blockwise path (rounded to whole pages)
@@ -131,11 +134,49 @@ def _check_window(window) -> None:
         raise ValueError(f"window must be None or an int >= 1, got {window!r}")
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _native(q, k_pages, v_pages, page_table, cache_start, num_new, new_mask, q_pos, scale, window):
+    """The native CPU call, with the blockwise jnp path's gradient."""
+    return native_attention.paged_attention_call(q, k_pages, v_pages, page_table, cache_start,
+                                                 num_new, new_mask, q_pos, scale, window)
+
+
+def _native_fwd(q, k_pages, v_pages, page_table, cache_start, num_new, new_mask, q_pos, scale,
+                window):
+    out = _native(q, k_pages, v_pages, page_table, cache_start, num_new, new_mask, q_pos, scale,
+                  window)
+    return out, (q, k_pages, v_pages, page_table, cache_start, num_new, new_mask, q_pos)
+
+
+def _native_bwd(scale, window, res, g):
+    q, k_pages, v_pages, page_table, cache_start, num_new, new_mask, q_pos = res
+    _, vjp = jax.vjp(lambda a, b, c: paged_attention_blockwise(
+        a, b, c, page_table, cache_start, num_new, new_mask, scale=scale,
+        window=window or None, q_pos=q_pos), q, k_pages, v_pages)
+    return (*vjp(g), None, None, None, None, None)
+
+
+_native.defvjp(_native_fwd, _native_bwd)
+
+
 def paged_attention(q, k_pages, v_pages, page_table, cache_start, num_new, new_mask=None, *,
                     impl: str = "reference", scale=None, window: int | None = None, q_pos=None):
     """Dispatches to the plain-XLA or the Pallas implementation (same semantics; ``window`` /
-    ``q_pos``: the sliding window, see the module docstring)."""
+    ``q_pos``: the sliding window, see the module docstring). "reference" runs the native CPU
+    call (``specjax.native_attention``) for few float32 query rows when it is built, the
+    blockwise jnp path otherwise."""
     if impl == "reference":
+        if window is not None:
+            _check_window(window)
+        if native_attention.applies(q, k_pages, scale):
+            b, t, _, d = q.shape
+            if new_mask is None:
+                new_mask = jnp.broadcast_to(causal_mask(t), (b, t, t))
+            if q_pos is None:
+                q_pos = cache_start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+            return _native(q, k_pages, v_pages, page_table, cache_start, num_new, new_mask, q_pos,
+                           d ** -0.5 if scale is None else float(scale),
+                           0 if window is None else int(window))
         return paged_attention_blockwise(q, k_pages, v_pages, page_table, cache_start, num_new,
                                          new_mask, scale=scale, window=window, q_pos=q_pos)
     if window is not None:

@@ -98,6 +98,11 @@ def add_model_flags(p) -> None:
                    help="target: 'smollm2-135m' (built in), a transformers dir, a .gguf or a "
                         "specjax checkpoint (default: %(default)s)")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: same as --model)")
+    p.add_argument("--activations", default="float32", choices=("float32", "int8"),
+                   help="GGUF targets on CPU: 'int8' multiplies the file's Q4_0/Q4_1/Q8_0 blocks "
+                        "with 8-bit inputs and integer dots (llama.cpp's arithmetic: faster, "
+                        "logits within ~1e-3, text may differ from the exact 'float32' path; "
+                        "default: %(default)s)")
 
 
 def add_sampling_flags(p) -> None:
@@ -141,7 +146,7 @@ def load(args) -> Loaded:
     draft (``shipped.default_draft``)."""
     check_spec_flags(args)
     t0 = time.perf_counter()
-    target = sj.load_model(args.model)
+    target = sj.load_model(args.model, activations=args.activations)
     tok = sj.load_tokenizer(args.tokenizer or args.model)
     method, draft, draft_name, rec = args.method, None, None, None
     if method == "ngram" and not args.draft:
