@@ -53,12 +53,12 @@ from tqdm.auto import tqdm
 import specjax as sj
 from specjax import shipped
 from specjax.cost_model import cost_ratios
+from specjax.io.gemma_io import GEMMA_LICENSE
+from specjax.io.gguf import builtin_gguf_path
 from specjax.io.hf import save_hf_dir
 from specjax.options import spec_from_options
 from specjax.provenance import with_provenance
 from specjax.timing import Timer, machine_info, usable_cpus, wait_idle
-from specjax.io.gemma_io import GEMMA_LICENSE
-from specjax.io.gguf import builtin_gguf_path
 from specjax.train.corpora import chat_prompts, wiki_entries
 
 # Base models: continuation prompts from held-out Wikipedia, HF reads the GGUF itself.

@@ -26,10 +26,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import specjax as sj  # noqa: E402
-from specjax import kv_cache, sharding, speculate  # noqa: E402
+from specjax import gemma, kv_cache, registry, sharding, speculate  # noqa: E402
 from specjax.config import ModelConfig, SpecConfig  # noqa: E402
 from specjax.heads import Head, HeadConfig, init_head  # noqa: E402
-from specjax import gemma, registry  # noqa: E402
 from specjax.model import Model, init_params  # noqa: E402
 
 PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12], [4] * 17, [9, 9], [3, 1, 4, 1, 5], [2],

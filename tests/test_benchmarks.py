@@ -297,7 +297,7 @@ def test_bench_compare_gemma3_tiny(tmp_path):
     mod.main(["--model", "gemma3-270m", "--weights", "float32", "--num-prompts", "2",
               "--batch", "2", "--max-new-tokens", "6", "--repeats", "1", "--no-cost-model",
               "--prompt-lookup", "2", "--prompt-tokens", "24", "--no-progress", "--out", str(out)])
-    data = json.load(open(out))
+    data = json.loads(out.read_text())
     assert data["model"] == "gemma3-270m" and "Gemma Terms of Use" in data["license"]
     assert data["prompt_lengths"] == [24, 24] and "Wikipedia" in data["prompts"]
     assert data["provenance"]["commit"] and (tmp_path / "g.md").exists()

@@ -21,9 +21,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import specjax as sj
-from specjax import sharding
+from specjax import gemma, registry, sharding
 from specjax.config import ModelConfig
 from specjax.model import Model, init_params
+from specjax.sharding import families as sharding_families
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAST_XLA = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
@@ -385,11 +386,9 @@ def test_library_uses_no_private_jax_api():
 
 
 def _gemma_cfg(**kw):
-    from specjax import gemma  # noqa: PLC0415
-
-    base = dict(vocab_size=128, hidden_size=64, intermediate_size=192, num_layers=2, num_heads=8,
-                num_kv_heads=2, head_dim=16, sliding_window=4, tie_word_embeddings=True,
-                layer_types=(gemma.SLIDING, gemma.FULL))
+    base = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 192, "num_layers": 2,
+            "num_heads": 8, "num_kv_heads": 2, "head_dim": 16, "sliding_window": 4,
+            "tie_word_embeddings": True, "layer_types": (gemma.SLIDING, gemma.FULL)}
     return gemma.Gemma3Config(**{**base, **kw})
 
 
@@ -397,9 +396,6 @@ def test_gemma3_specs_replicate_norms_and_split_like_llama():
     """Gemma 3's extra tensors (post-attention / post-MLP norms, per-head q/k norms [D]) are
     replicated, its projections split as Llama's; load_model(mesh=)'s rules place it; a tp that
     does not divide the heads or the MLP is a ValueError naming them."""
-    from specjax import registry  # noqa: PLC0415
-    from specjax.sharding import families  # noqa: PLC0415
-
     cfg = _gemma_cfg()
     params = registry.init_params(cfg, jax.random.key(0))
     specs = sharding.model_specs(params, cfg, 2)
@@ -412,7 +408,7 @@ def test_gemma3_specs_replicate_norms_and_split_like_llama():
     rep, rcfg = sharding.repeat_kv_heads(registry.init_params(mqa, jax.random.key(1)), mqa, 4)
     assert rcfg.num_kv_heads == 4 and rcfg.layer_types == mqa.layer_types
     assert rep["layers"][0]["k_norm"].shape == (16,)  # per head_dim: shared by the copies
-    placed = families.shard(Model(params, cfg), sharding.make_mesh())
+    placed = sharding_families.shard(Model(params, cfg), sharding.make_mesh())
     assert type(placed.config) is type(cfg)
     with pytest.raises(ValueError, match=r"tp=3 does not divide the target's num_heads=8"):
         sharding.model_specs(params, cfg, 3)
