@@ -11,6 +11,15 @@ Cases (greedy, EOS off, every row generates exactly ``max_new_tokens``):
                     (``method="ngram"``, beside HF's prompt lookup at the same k); optionally each
                     method with ``adaptive=True`` (k chosen on device per step).
 
+Targets: SmolLM2-135M-Instruct (the default; held-out chat prompts through its chat template; HF
+reads the exact float32 weights specjax dequantized, written as a transformers directory) or a
+base model, ``--model gemma3-270m`` (Gemma 3 270M, Gemma Terms of Use: continuation prompts of
+``--prompt-tokens`` tokens from held-out Wikipedia intros with BOS; HF reads the same GGUF itself,
+``from_pretrained(dir, gguf_file=...)``, and dequantizes it to float32; no draft LLM, since HF
+assisted generation would need it as a transformers directory: plain and prompt lookup / n-gram
+only). ``--weights`` picks specjax's weights: "quantized" (the GGUF blocks through the native
+kernel), "float32" (HF's math) or "both" (a second specjax plain row on the other one).
+
 Batch 1 runs the prompts one after another; the batched run puts ``batch`` prompts in one call
 (HF: left padding + attention mask; specjax: ragged prompts). Timing: one warm-up per case
 (compilation excluded), then ``repeats`` timed rounds with the cases in alternating order;
@@ -44,11 +53,16 @@ from tqdm.auto import tqdm
 import specjax as sj
 from specjax import shipped
 from specjax.cost_model import cost_ratios
+from specjax.io.gemma_io import GEMMA_LICENSE
+from specjax.io.gguf import builtin_gguf_path
 from specjax.io.hf import save_hf_dir
 from specjax.options import spec_from_options
 from specjax.provenance import with_provenance
 from specjax.timing import Timer, machine_info, usable_cpus, wait_idle
-from specjax.train.corpora import chat_prompts
+from specjax.train.corpora import chat_prompts, wiki_entries
+
+# Base models: continuation prompts from held-out Wikipedia, HF reads the GGUF itself.
+BASE_MODELS = {"gemma3-270m": GEMMA_LICENSE}
 
 
 # ------------------------------------------------------------------------------ the machine
@@ -83,16 +97,18 @@ class Case:
     batched: bool = True  # can run a batch > 1
 
 
-def specjax_cases(target, n_new: int, drafts: dict, ks: dict, adaptive: bool = False) -> list[Case]:
+def specjax_cases(target, n_new: int, drafts: dict, ks: dict, adaptive: bool = False,
+                  plain_variants: dict | None = None) -> list[Case]:
     """specjax plain + one case per draft (+ its adaptive twin). drafts: {method: (draft,
-    description)}; method "ngram" takes draft None."""
+    description)}; method "ngram" takes draft None. plain_variants: {label: Model}, one more
+    plain case each ("specjax plain (label)": the same target with other weights)."""
 
-    def runner(method, draft, k, adapt=False):
+    def runner(method, draft, k, adapt=False, model=target):
         # the one translation the CLI, the server and sj.generate use (specjax/options.py)
         spec = spec_from_options({"method": method, "num_draft_tokens": k, "adaptive": adapt})
 
         def run(prompts):
-            out = sj.generate(target, prompts, max_new_tokens=n_new, draft=draft, spec=spec,
+            out = sj.generate(model, prompts, max_new_tokens=n_new, draft=draft, spec=spec,
                               temperature=0.0, eos_token_id=[])
             s = out.stats
             extra = {"row_steps": s["row_steps"],  # tokens after each row's first
@@ -103,6 +119,9 @@ def specjax_cases(target, n_new: int, drafts: dict, ks: dict, adaptive: bool = F
         return run
 
     cases = [Case("specjax plain", "specjax", "plain", "-", 0, runner("none", None, 1))]
+    for label, model in (plain_variants or {}).items():
+        cases.append(Case(f"specjax plain ({label})", "specjax", f"plain ({label})", "-", 0,
+                          runner("none", None, 1, model=model)))
     for method, (draft, desc) in drafts.items():
         cases.append(Case(f"specjax {method}", "specjax", method, desc, ks[method],
                           runner(method, draft, ks[method])))
@@ -112,11 +131,14 @@ def specjax_cases(target, n_new: int, drafts: dict, ks: dict, adaptive: bool = F
     return cases
 
 
-def _hf_model(path: str, device: str = "cpu"):
+def _hf_model(path: str, device: str = "cpu", gguf_file: str | None = None):
+    """An HF model from a transformers directory, or from ``path/gguf_file`` (a GGUF, which
+    transformers dequantizes to float32)."""
     import torch  # noqa: PLC0415 - torch: only for the HF cases
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    kw = {} if gguf_file is None else {"gguf_file": gguf_file}
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).to(device).eval()
     m.generation_config.eos_token_id = None  # never stop early (EOS off on both sides)
     return m
 
@@ -142,14 +164,19 @@ def hf_generate(hf, prompts: list, n_new: int, pad: int = 0, **kw) -> list[list[
 
 
 def hf_cases(target, n_new: int, draft=None, draft_desc: str = "-", k: int = 2,
-             prompt_lookup_k: int = 0, work: str | None = None, device: str = "cpu") -> list[Case]:
+             prompt_lookup_k: int = 0, work: str | None = None, device: str = "cpu",
+             gguf: str | None = None) -> list[Case]:
     """HF plain (+ assisted with ``draft`` converted to HF, + prompt lookup) on ``target``'s
-    exact weights: both are written as HF directories (float32 safetensors) under ``work``."""
+    exact weights: both are written as HF directories (float32 safetensors) under ``work``;
+    with ``gguf`` (the target's GGUF file) HF loads and dequantizes that file instead."""
 
-    work = work or tempfile.mkdtemp(prefix="specjax-bench-")
-    tdir = os.path.join(work, "hf-target")
-    save_hf_dir(target.params, target.config, tdir)
-    hf = _hf_model(tdir, device)
+    if gguf is not None:
+        hf = _hf_model(os.path.dirname(os.path.abspath(gguf)), device, os.path.basename(gguf))
+    else:
+        work = work or tempfile.mkdtemp(prefix="specjax-bench-")
+        tdir = os.path.join(work, "hf-target")
+        save_hf_dir(target.params, target.config, tdir)
+        hf = _hf_model(tdir, device)
     pad = target.config.eos_token_id if isinstance(target.config.eos_token_id, int) else 0
 
     def gen(prompts, **kw):
@@ -157,6 +184,7 @@ def hf_cases(target, n_new: int, draft=None, draft_desc: str = "-", k: int = 2,
 
     cases = [Case("HF plain", "hf", "plain", "-", 0, gen)]
     if draft is not None:
+        work = work or tempfile.mkdtemp(prefix="specjax-bench-")
         ddir = os.path.join(work, "hf-draft")
         save_hf_dir(draft.params, draft.config, ddir)
         hd = _hf_model(ddir, device)
@@ -302,7 +330,8 @@ def run(target, prompts: list, *, num_prompts: int | None = None, max_new_tokens
         drafts: dict | None = None, ks: dict | None = None, hf: bool = True,
         hf_draft_method: str = "draft", prompt_lookup_k: int = 0, wait_idle_s: float = 0.0,
         work: str | None = None, progress: bool = True, cost_model: bool = True,
-        hf_device: str = "cpu", adaptive: bool = False) -> dict:
+        hf_device: str = "cpu", adaptive: bool = False, hf_gguf: str | None = None,
+        plain_variants: dict | None = None) -> dict:
     """Runs the comparison and returns a JSON-able report (with ``table_md``).
 
     Args:
@@ -314,6 +343,8 @@ def run(target, prompts: list, *, num_prompts: int | None = None, max_new_tokens
       adaptive: also run every specjax method with ``adaptive=True``.
       ks: draft length per method.
       hf: include the HF transformers cases (needs torch).
+      hf_gguf: HF loads this GGUF (the target's own file) instead of the target's weights.
+      plain_variants: {label: Model}: more specjax plain cases (the target with other weights).
     """
     drafts, ks = drafts or {}, ks or {}
     info = {"machine": machine_info(), "versions": versions(hf), "command": " ".join(sys.argv),
@@ -326,8 +357,9 @@ def run(target, prompts: list, *, num_prompts: int | None = None, max_new_tokens
         dr = drafts.get(hf_draft_method)
         cases += hf_cases(target, max_new_tokens, draft=None if dr is None else dr[0],
                           draft_desc="-" if dr is None else dr[1], k=ks.get(hf_draft_method, 2),
-                          prompt_lookup_k=prompt_lookup_k, work=work, device=hf_device)
-    cases += specjax_cases(target, max_new_tokens, drafts, ks, adaptive)
+                          prompt_lookup_k=prompt_lookup_k, work=work, device=hf_device,
+                          gguf=hf_gguf)
+    cases += specjax_cases(target, max_new_tokens, drafts, ks, adaptive, plain_variants)
     results = measure(cases, prompts[:num_prompts or len(prompts)], batch, repeats, wait_idle_s,
                       progress, batch_prompts=prompts[:batch])
     compare_outputs(results)
@@ -370,7 +402,17 @@ def dump(report: dict, path: str) -> None:
 
 def add_arguments(p, *, max_new_tokens=32, num_prompts=4, batch=4, repeats=2, out=None) -> None:
     """The options shared by ``specjax bench`` and benchmarks/bench_compare.py."""
-    p.add_argument("--model", default="smollm2-135m", help="target: name, HF dir, .gguf, checkpoint")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="target: name, HF dir, .gguf, checkpoint; a base model "
+                        f"({', '.join(BASE_MODELS)}) gets held-out Wikipedia continuations and "
+                        "HF reads its GGUF")
+    p.add_argument("--weights", choices=("quantized", "float32", "both"), default="quantized",
+                   help="specjax's weights for a GGUF target: its quantized blocks (native kernel), "
+                        "float32 (dequantized: HF's math), or both (float32 is 'specjax plain', "
+                        "the quantized run one more plain row)")
+    p.add_argument("--prompt-tokens", type=int, default=64,
+                   help="a base model's prompt length (BOS + held-out Wikipedia text; shorter "
+                        "intros continue with the next ones, so prompts may exceed a window)")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: same as --model)")
     p.add_argument("--draft", default=None,
                    help="draft LLM for specjax 'draft' and HF assisted generation (default: "
@@ -393,7 +435,8 @@ def add_arguments(p, *, max_new_tokens=32, num_prompts=4, batch=4, repeats=2, ou
                    help="also run each specjax method with adaptive k (chosen on device per step)")
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     p.add_argument("--num-prompts", type=int, default=num_prompts,
-                   help="held-out chat prompts, run one at a time for batch 1")
+                   help="held-out prompts (chat, or a base model's Wikipedia continuations), "
+                        "run one at a time for batch 1")
     p.add_argument("--batch", type=int, default=batch, help="the batched run's size (1 = skip)")
     p.add_argument("--repeats", type=int, default=repeats, help="timed rounds after a warm-up")
     p.add_argument("--no-hf", dest="hf", action="store_false",
@@ -422,25 +465,46 @@ def _resolve_head(target, arg: str, kind: str):
     return sj.load_draft(arg, target=target), arg
 
 
+def wiki_prompts(tok, n: int, prompt_tokens: int) -> list[list[int]]:
+    """``n`` continuation prompts for a base model, ``prompt_tokens`` ids each: BOS + a held-out
+    Wikipedia intro (as benchmarks/bench_quant.py's prompts), continued by the next intros
+    (blank-line separated) while shorter, so that a prompt can span a sliding window."""
+    if prompt_tokens < 2:
+        raise ValueError(f"prompt_tokens must be >= 2, got {prompt_tokens}")
+    entries = iter(wiki_entries("held_out"))
+    out = []
+    for _ in range(n):
+        ids = list(tok.encode(next(entries)["extract"], add_special_tokens=True))
+        while len(ids) < prompt_tokens:
+            ids += tok.encode("\n\n" + next(entries)["extract"], add_special_tokens=False)
+        out.append(ids[:prompt_tokens])
+    return out
+
+
 def run_from_args(args) -> dict:
     """Loads the target, drafts and prompts named by ``args`` and runs the comparison."""
 
     if args.hf:
         import torch  # noqa: PLC0415 - torch: only for the HF cases
         torch.set_num_threads(args.torch_threads or len(usable_cpus()))
-    target = sj.load_model(args.model)
+    weights = getattr(args, "weights", "quantized")
+    target = sj.load_model(args.model, weights="quantized" if weights == "quantized" else "float32")
+    variants = ({"quantized weights": sj.load_model(args.model, weights="quantized")}
+                if weights == "both" else None)
     tok = sj.load_tokenizer(args.tokenizer or args.model)
+    base = args.model in BASE_MODELS
     drafts, ks = {}, {}
-    best_draft = None if args.draft else shipped.load_best(target, "draft")
+    best_draft = None if args.draft or base else shipped.load_best(target, "draft")
     if args.draft:
         drafts["draft"] = (sj.load_draft(args.draft, target=target), args.draft)
     elif best_draft is not None:
         drafts["draft"] = best_draft
-    else:
+    elif not base:  # a base model: plain (and n-gram) only, see the module docstring
         n = args.early_exit_layers
         drafts["draft"] = (sj.early_exit_draft(target, n), f"early-exit {n} layers")
     trained = bool(args.draft) or best_draft is not None
-    ks["draft"] = args.k_draft or (3 if trained else 1)
+    if "draft" in drafts:
+        ks["draft"] = args.k_draft or (3 if trained else 1)
     for method, arg, k in (("mtp", args.mtp, args.k_mtp), ("eagle", args.eagle, args.k_eagle)):
         head = _resolve_head(target, arg, method)
         if head is not None:
@@ -448,12 +512,22 @@ def run_from_args(args) -> dict:
     if args.prompt_lookup:
         drafts["ngram"], ks["ngram"] = (None, "prompt n-grams"), args.prompt_lookup
     n = max(args.num_prompts, args.batch)
-    prompts = [tok.apply_chat_template(m) for m in chat_prompts("held_out", limit=n)]
+    if base:
+        prompts = wiki_prompts(tok, n, args.prompt_tokens)
+    else:
+        prompts = [tok.apply_chat_template(m) for m in chat_prompts("held_out", limit=n)]
     report = run(target, prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                  batch=args.batch, repeats=args.repeats, drafts=drafts, ks=ks, hf=args.hf,
                  prompt_lookup_k=args.prompt_lookup, wait_idle_s=args.wait_idle, work=args.work,
                  progress=args.progress, cost_model=args.cost_model,
-                 adaptive=getattr(args, "adaptive", False))
+                 adaptive=getattr(args, "adaptive", False),
+                 hf_gguf=builtin_gguf_path(args.model) if base else None,
+                 plain_variants=variants)
+    report.update(model=args.model, weights=weights,
+                  prompts=(f"held-out Wikipedia intros, BOS + {args.prompt_tokens} tokens"
+                           if base else "held-out chat prompts (chat template)"))
+    if base:
+        report["license"] = BASE_MODELS[args.model]
     report["sample_output"] = tok.decode(report["results"]["batch1"]["specjax plain"]["tokens"][0])
     if args.out:
         dump(report, args.out)

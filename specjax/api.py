@@ -50,7 +50,8 @@ def load_model(path: str, dtype=jnp.float32, mesh=None, weights: str = "quantize
         (``specjax_config.json``). HF tensors are read and cast one at a time.
       dtype: parameter dtype (float32 on CPU; bfloat16 on accelerators).
       mesh: optional mesh to place the params on with the family's sharding rules
-        (``sharding.make_mesh`` for the Llama family, ``deepseek.make_mesh`` for DeepSeek).
+        (``sharding.make_mesh`` for the Llama family and Gemma 3, ``deepseek.make_mesh`` for
+        DeepSeek).
       weights: "quantized" (a GGUF's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks stream through the
         native CPU kernel, same values) or "float32" (every product over the dequantized float32 weights).
       activations: "float32" (exact: each weight dequantized to gguf's float32 value, float

@@ -33,6 +33,7 @@ paged cache layout (``kv_cache``) with the Llama family; the window is applied b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping
 
@@ -170,15 +171,24 @@ def window_new_mask(new_mask, positions, window):
     return new_mask & ((positions[:, :, None] - positions[:, None, :]) < window)
 
 
+def attention_core(q, k, v, k_pages, v_pages, page_table, cache_start, valid, new_mask, q_pos,
+                   *, attn_impl, scale, window):
+    """``model.attention_core`` with Gemma's scale and layer window: writes the new K/V, then
+    attends (q_pos [B, T]: the queries' positions, for the window). Returns (o, k_pages,
+    v_pages)."""
+    k_pages, v_pages = kv_cache.write_layer(k_pages, v_pages, k, v, page_table, cache_start, valid)
+    num_new = jnp.sum(valid, axis=1, dtype=jnp.int32)
+    o = attn_lib.paged_attention(q, k_pages, v_pages, page_table, cache_start, num_new, new_mask,
+                                 impl=attn_impl, scale=scale, window=window, q_pos=q_pos)
+    return o, k_pages, v_pages
+
+
 def decoder_layer(lp, cfg: Gemma3Config, i: int, x, positions, k_pages, v_pages, page_table,
                   cache_start, valid, new_mask, attn_impl):
     """One Gemma 3 block (layer index i picks window and RoPE base); writes its K/V.
 
     x: [B, T, E]; positions: [B, T]; pools [Hkv, P, S, D]; valid: [B, T]; new_mask [B, T, T] or
     None. Returns (x [B, T, E], k_pages, v_pages)."""
-    if not isinstance(attn_impl, str):
-        raise ValueError("the gemma3 family runs attn_impl 'reference' or 'pallas' only "
-                         "(no sharded attention yet)")
     b, t, _ = x.shape
     h, hkv, d, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
     window = cfg.window(i)
@@ -190,13 +200,10 @@ def decoder_layer(lp, cfg: Gemma3Config, i: int, x, positions, k_pages, v_pages,
         q, k, v = q.reshape(b, t, h, d), k.reshape(b, t, hkv, d), v.reshape(b, t, hkv, d)
         q = llama.apply_rope(rms_norm(q, lp["q_norm"], eps), positions, freqs)
         k = llama.apply_rope(rms_norm(k, lp["k_norm"], eps), positions, freqs)
-        k_pages, v_pages = kv_cache.write_layer(k_pages, v_pages, k, v, page_table, cache_start,
-                                                valid)
-        num_new = jnp.sum(valid, axis=1, dtype=jnp.int32)
-        o = attn_lib.paged_attention(q, k_pages, v_pages, page_table, cache_start, num_new,
-                                     window_new_mask(new_mask, positions, window),
-                                     impl=attn_impl, scale=cfg.attn_scale, window=window,
-                                     q_pos=positions)
+        core = llama.resolve_attention_core(  # a kernel name, or sharding.ShardedAttention
+            attn_impl, cfg, functools.partial(attention_core, scale=cfg.attn_scale, window=window))
+        o, k_pages, v_pages = core(q, k, v, k_pages, v_pages, page_table, cache_start, valid,
+                                   window_new_mask(new_mask, positions, window), positions)
         o = o.reshape(b, t, h * d) @ lp["wo"]
         x = x + rms_norm(o, lp["post_attn_norm"], eps)
     with jax.named_scope("mlp"):

@@ -130,18 +130,20 @@ def attention_core(q, k, v, k_pages, v_pages, page_table, cache_start, valid, ne
     return o, k_pages, v_pages
 
 
-def resolve_attention_core(attn_impl, cfg: ModelConfig):
+def resolve_attention_core(attn_impl, cfg: ModelConfig, core=attention_core):
     """The attention core to run for ``attn_impl``: a kernel name ("reference" | "pallas"), or a
     hashable implementation object with ``.impl`` (the kernel name) and ``.wrap(core, cfg) ->
     core`` (``specjax.sharding.ShardedAttention``: per dp shard, pools pinned). Explicit and
-    static, so the jit cache sees the choice."""
+    static, so the jit cache sees the choice. ``core`` (keyword ``attn_impl``) is the family's
+    core: ``attention_core``, or Gemma 3's with its window (extra [B, ...] row arguments after
+    ``new_mask`` are passed through, split over dp like the rows)."""
     if isinstance(attn_impl, str):
-        return functools.partial(attention_core, attn_impl=attn_impl)
+        return functools.partial(core, attn_impl=attn_impl)
     if not (isinstance(getattr(attn_impl, "impl", None), str)
             and callable(getattr(attn_impl, "wrap", None))):
         raise TypeError(f"attn_impl must be 'reference', 'pallas' or an implementation with .impl "
                         f"and .wrap (specjax.sharding.ShardedAttention), got {attn_impl!r}")
-    return attn_impl.wrap(functools.partial(attention_core, attn_impl=attn_impl.impl), cfg)
+    return attn_impl.wrap(functools.partial(core, attn_impl=attn_impl.impl), cfg)
 
 
 def decoder_layer(lp, cfg: ModelConfig, x, positions, k_pages, v_pages, page_table, cache_start,

@@ -120,9 +120,7 @@ FAMILIES: tuple[Family, ...] = (
                          "specjax.native's CPU kernel yet (XLA's dot runs them)"))),
     Family(name="gemma3", model_types=("gemma3_text",), config_class=Gemma3Config,
            forward=gemma.forward, init_cache=kv_cache.init_cache, init_params=gemma.init_params,
-           block=gemma.block,
-           unsupported=(("sharding", "no Gemma 3 sharding rules yet"),
-                        ("tp_sharding", "no Gemma 3 sharding rules yet"))),
+           block=gemma.block),
 )
 _BY_CLASS = {f.config_class: f for f in FAMILIES}
 FAMILIES_CLASSES = frozenset(_BY_CLASS)  # every registered config class

@@ -3,7 +3,9 @@
 Needs its own process: the device count is fixed when jax starts. Run as
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/_sharding_check.py CASES OUT``.
 CASES: comma-separated ``target:method:tp:dp[:option...]`` (target "kv8" or "kv2", method
-"none" | "draft" | "mtp"; options: the placement of a draft LLM "replicated" | "sharded", and
+"none" | "draft" | "mtp"; or a Gemma 3 target "g2" (GQA) / "g1" (MQA) with sliding windows
+shorter than the sequences, method "none" | "ngram" | "draft" (an early-exit draft of its first
+layer); options: the placement of a draft LLM "replicated" | "sharded", and
 "no-tf" to skip the teacher-forced target logits), or "default" / "full"; an extra ``api`` case
 computes one-device ``specjax.generate`` tokens for the multi-process test. Cases of one target
 in one process share its one-device references. Writes JSON: one record per case (greedy tokens equal to one device, max
@@ -24,10 +26,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import specjax as sj  # noqa: E402
-from specjax import kv_cache, sharding, speculate  # noqa: E402
+from specjax import gemma, kv_cache, registry, sharding, speculate  # noqa: E402
 from specjax.config import ModelConfig, SpecConfig  # noqa: E402
 from specjax.heads import Head, HeadConfig, init_head  # noqa: E402
-from specjax.model import Model, forward, init_params  # noqa: E402
+from specjax.model import Model, init_params  # noqa: E402
 
 PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12], [4] * 17, [9, 9], [3, 1, 4, 1, 5], [2],
            [100, 101]]
@@ -48,14 +50,38 @@ def tiny(seed, *, kv_heads, layers=2, hidden=64, heads=8, head_dim=16, vocab=128
     return Model(init_params(cfg, jax.random.key(seed), scale=0.3), cfg)
 
 
+GEMMA_WINDOW = 6  # < the longest prompt (17) and every generated sequence: several windows
+
+
+def tiny_gemma(seed, *, kv_heads):
+    """A tiny Gemma 3 (sizes as ``tiny``, tied embeddings): sliding, sliding, full layers;
+    window 6; norms off
+    their initial value 1, so that every replicated norm matters."""
+    cfg = gemma.Gemma3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=192, num_layers=3, num_heads=8,
+        num_kv_heads=kv_heads, head_dim=16, query_pre_attn_scalar=24.0,
+        sliding_window=GEMMA_WINDOW, layer_types=(gemma.SLIDING, gemma.SLIDING, gemma.FULL),
+        rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=512)
+    params = gemma.init_params(cfg, jax.random.key(seed), scale=0.3)
+    noise = iter(jax.random.split(jax.random.key(seed + 1), 64))
+    params = jax.tree.map(lambda a: a + 0.3 * jax.random.normal(next(noise), a.shape)
+                          if a.ndim == 1 else a, params)
+    return Model(params, cfg)
+
+
 def models():
-    """name -> (target, {method: draft}): 8 KV heads (pools split over tp) or 2."""
+    """name -> (target, {method: draft}): 8 KV heads (pools split over tp) or 2; Gemma 3 with
+    2 KV heads or 1 (MQA: repeated to tp)."""
     out = {}
     for name, kv in (("kv8", 8), ("kv2", 2)):
         target = tiny(0, kv_heads=kv)
         hc = HeadConfig.for_target(target.config, "mtp")
         out[name] = (target, {"none": None, "draft": tiny(1, kv_heads=kv, layers=1),
                               "mtp": Head(init_head(hc, jax.random.key(3), scale=0.3), hc)})
+    for name, kv in (("g2", 2), ("g1", 1)):
+        target = tiny_gemma(0, kv_heads=kv)
+        out[name] = (target, {"none": None, "ngram": None,
+                              "draft": sj.early_exit_draft(target, 1)})
     return out
 
 
@@ -93,7 +119,8 @@ def teacher_forced(params, tokens, *, cfg):
     b, t = tokens.shape
     kv, page_table = kv_cache.init_contiguous(cfg, b, t)
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    return forward(params, cfg, tokens, pos, kv, page_table, jnp.zeros((b,), jnp.int32))[0]
+    return registry.forward(params, cfg, tokens, pos, kv, page_table,
+                            jnp.zeros((b,), jnp.int32))[0]
 
 
 def _tp_split_sizes(params, specs):
@@ -147,6 +174,7 @@ def run_case(case, mdls, cache):
         weights += _tp_split_sizes(dparams, sharding.draft_specs(dparams, draft.config, plan))
     return {
         "case": case, "method": method, "tp": int(tp), "dp": int(dp),
+        "kv_heads": target.config.num_kv_heads,
         "tokens_equal": _tokens(got) == _tokens(ref),
         "num_generated": sum(len(t) for t in _tokens(got)),
         "accepted_per_pos": np.asarray(got.accepted_per_pos).tolist(),

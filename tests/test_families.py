@@ -138,7 +138,7 @@ def test_family_tables_cover_the_registry():
     assert set(io_families.LOAD_HF) == names
     assert set(io_families.READ_MTP) == {"deepseek"}
     no_rules = {f.name for f in registry.FAMILIES if "sharding" in dict(f.unsupported)}
-    assert no_rules == {"qwen3_moe", "gemma3"}  # the registry says why (no rules yet)
+    assert no_rules == {"qwen3_moe"}  # the registry says why (no rules yet)
     assert set(sharding_families.SHARD) == names - no_rules
     with pytest.raises(ValueError, match=r"load_hf table: unknown families \[\], "
                                          r"no entry for \['gemma3', 'qwen3_moe'\]"):

@@ -21,9 +21,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import specjax as sj
-from specjax import sharding
+from specjax import gemma, registry, sharding
 from specjax.config import ModelConfig
 from specjax.model import Model, init_params
+from specjax.sharding import families as sharding_families
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAST_XLA = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
@@ -122,7 +123,7 @@ def _check_record(r):
     assert any(op == "all-reduce" and len(shape.split(",")) == 3 for op, shape, _, _ in in_loop)
     # Pools [Hkv, P, S, D]: pages split over dp, KV heads over tp (repeated to lcm(Hkv, tp)).
     hkv, pages, s, d = r["pool_shape"]
-    assert hkv == math.lcm(8 if r["case"].startswith("kv8") else 2, r["tp"])
+    assert hkv == math.lcm(r["kv_heads"], r["tp"])
     assert r["pool_shard_shape"] == [hkv // r["tp"], pages // r["dp"], s, d]
 
 
@@ -186,6 +187,49 @@ def test_two_processes_tp_across_processes(tmp_path, method, tp, dp):
     tokens = [json.loads((tmp_path / f"worker{i}.json").read_text())["tokens"] for i in range(2)]
     assert tokens[0] == tokens[1]
     assert len(tokens[0]) == 8
+
+
+# Gemma 3 (windows of 6 < the sequences, every norm off its initial value). Default run: GQA
+# on dp=2 x tp=2 with an early-exit draft (~20 s); the slow test adds MQA (its one KV head
+# repeated to tp=2 and 4), n-gram drafts, plain decoding, tp=4 and a draft sharded like the
+# target. (No replicated draft of the MQA target: its one-head pool is smaller than a prefill
+# activation, which the pool-gather check of _check_record bounds.)
+GEMMA_CHECKS = ["g2:draft:2:2"]
+GEMMA_MORE = ["g1:ngram:2:1,g2:none:2:1,g2:draft:4:2,g2:ngram:2:2",
+              "g1:ngram:4:1,g1:none:4:2,g2:draft:2:1:sharded"]
+
+
+def _check_gemma(tmp_path, cases):
+    launch = Launcher(tmp_path)
+    launch.start_checks(cases)
+    records, _ = launch.check_results(len(cases))
+    assert len(records) == sum(len(c.split(",")) for c in cases)
+    for r in records:
+        _check_record(r)
+        assert "target_logits" in r["max_abs_diff"], r["case"]
+        if r["method"] != "none":  # speculation really ran on the mesh
+            assert sum(r["accepted_per_pos"]) > 0, r["case"]
+    return records
+
+
+def test_gemma3_sharded_generation_matches_one_device(tmp_path):
+    """Gemma 3 on a dp=2 x tp=2 mesh (post-attention / post-MLP and q/k norms replicated, heads
+    and MLP split over tp, sliding-window attention per dp shard): greedy tokens with an
+    early-exit draft identical to one device, teacher-forced and carried draft logits within
+    fp32 tolerance, KV pools split over tp and dp, no weight or pool gathered in the loop."""
+    (r,) = _check_gemma(tmp_path, GEMMA_CHECKS)
+    assert (r["method"], r["tp"], r["dp"], r["kv_heads"]) == ("draft", 2, 2, 2)
+    assert "draft_logits" in r["max_abs_diff"]
+
+
+@pytest.mark.slow
+def test_gemma3_sharded_matrix(tmp_path):
+    """The other Gemma 3 cases: MQA (one KV head repeated to tp=2 and tp=4), n-gram drafts,
+    plain decoding, tp=4 x dp=2, a draft LLM sharded like the target."""
+    records = _check_gemma(tmp_path, GEMMA_MORE)
+    assert {r["method"] for r in records} == {"none", "ngram", "draft"}
+    assert {r["kv_heads"] for r in records} == {1, 2}
+    assert {(r["tp"], r["dp"]) for r in records} == {(2, 1), (2, 2), (4, 1), (4, 2)}
 
 
 # ------------------------------------------------------------------ specs (one device, cheap)
@@ -339,3 +383,34 @@ def test_library_uses_no_private_jax_api():
     offenders = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
                  if f.endswith(".py") and private.search(open(os.path.join(d, f)).read())]
     assert not offenders, offenders
+
+
+def _gemma_cfg(**kw):
+    base = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 192, "num_layers": 2,
+            "num_heads": 8, "num_kv_heads": 2, "head_dim": 16, "sliding_window": 4,
+            "tie_word_embeddings": True, "layer_types": (gemma.SLIDING, gemma.FULL)}
+    return gemma.Gemma3Config(**{**base, **kw})
+
+
+def test_gemma3_specs_replicate_norms_and_split_like_llama():
+    """Gemma 3's extra tensors (post-attention / post-MLP norms, per-head q/k norms [D]) are
+    replicated, its projections split as Llama's; load_model(mesh=)'s rules place it; a tp that
+    does not divide the heads or the MLP is a ValueError naming them."""
+    cfg = _gemma_cfg()
+    params = registry.init_params(cfg, jax.random.key(0))
+    specs = sharding.model_specs(params, cfg, 2)
+    lp = specs["layers"][0]
+    for name in ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "q_norm", "k_norm"):
+        assert lp[name] == P(), name
+    assert lp["wq"] == lp["wk"] == lp["w_up"] == P(None, "tp") and lp["wo"] == P("tp", None)
+    assert specs["embed"] == P("tp", None) and specs["norm"] == P() and "lm_head" not in specs
+    mqa = _gemma_cfg(num_kv_heads=1)
+    rep, rcfg = sharding.repeat_kv_heads(registry.init_params(mqa, jax.random.key(1)), mqa, 4)
+    assert rcfg.num_kv_heads == 4 and rcfg.layer_types == mqa.layer_types
+    assert rep["layers"][0]["k_norm"].shape == (16,)  # per head_dim: shared by the copies
+    placed = sharding_families.shard(Model(params, cfg), sharding.make_mesh())
+    assert type(placed.config) is type(cfg)
+    with pytest.raises(ValueError, match=r"tp=3 does not divide the target's num_heads=8"):
+        sharding.model_specs(params, cfg, 3)
+    with pytest.raises(ValueError, match=r"intermediate_size=100"):
+        sharding.check_tp(_gemma_cfg(intermediate_size=100), 8, "target")

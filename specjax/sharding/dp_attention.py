@@ -23,20 +23,22 @@ from specjax.sharding.specs import ShardingPlan, draft_kv_spec, is_head, kv_spec
 
 
 def _per_dp_shard(core, mesh, q, k, v, k_pages, v_pages, page_table, cache_start, valid,
-                  new_mask):
-    """Runs the attention core on each dp shard's rows and pages, with shard-local page ids."""
+                  new_mask, *extra):
+    """Runs the attention core on each dp shard's rows and pages, with shard-local page ids
+    (``extra``: more [B, ...] row arrays for the core, e.g. Gemma 3's query positions)."""
     rows, pool = P("dp"), P(None, "dp")
     masks = () if new_mask is None else (new_mask,)
 
-    def local(q, k, v, kp, vp, pt, cs, valid, *mask):
+    def local(q, k, v, kp, vp, pt, cs, valid, *rest):
         first = lax.axis_index("dp") * kp.shape[1]  # this shard's first global page id
         pt = jnp.where(pt >= 0, pt - first, pt)  # -1 (unallocated) stays -1
-        return core(q, k, v, kp, vp, pt, cs, valid, mask[0] if mask else None)
+        mask = rest[0] if masks else None
+        return core(q, k, v, kp, vp, pt, cs, valid, mask, *rest[len(masks):])
 
-    in_specs = (rows,) * 3 + (pool, pool) + (rows,) * (3 + len(masks))
+    in_specs = (rows,) * 3 + (pool, pool) + (rows,) * (3 + len(masks) + len(extra))
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(rows, pool, pool),
                          axis_names={"dp"}, check_vma=False)(
-        q, k, v, k_pages, v_pages, page_table, cache_start, valid, *masks)
+        q, k, v, k_pages, v_pages, page_table, cache_start, valid, *masks, *extra)
 
 
 def pool_specs(plan: ShardingPlan, target_cfg, draft_cfg) -> tuple:
@@ -67,17 +69,19 @@ class ShardedAttention:
         return cls(plan, pool_specs(plan, target_cfg, draft_cfg), impl)
 
     def wrap(self, core, cfg):
-        """core(q, k, v, k_pages, v_pages, page_table, cache_start, valid, new_mask) run per dp
-        shard, its pools pinned to the layer config's spec."""
+        """core(q, k, v, k_pages, v_pages, page_table, cache_start, valid, new_mask, *rows) run
+        per dp shard, its pools pinned to the layer config's spec (``rows``: any further [B, ...]
+        arguments of the family's core, split over dp with the batch)."""
         plan, spec = self.plan, dict(self.pool_specs).get(cfg)
 
-        def run(q, k, v, k_pages, v_pages, page_table, cache_start, valid, new_mask):
+        def run(q, k, v, k_pages, v_pages, page_table, cache_start, valid, new_mask, *rows):
             if plan.dp > 1:
                 o, k_pages, v_pages = _per_dp_shard(core, plan.mesh, q, k, v, k_pages, v_pages,
-                                                    page_table, cache_start, valid, new_mask)
+                                                    page_table, cache_start, valid, new_mask,
+                                                    *rows)
             else:
                 o, k_pages, v_pages = core(q, k, v, k_pages, v_pages, page_table, cache_start,
-                                           valid, new_mask)
+                                           valid, new_mask, *rows)
             if spec is not None:
                 k_pages = lax.with_sharding_constraint(k_pages, plan.sharding(spec))
                 v_pages = lax.with_sharding_constraint(v_pages, plan.sharding(spec))

@@ -7,6 +7,8 @@ module is imported (``registry.check_table``: every family has an entry unless i
 
     family     SHARD                                           mesh
     llama      specs.shard_model (Megatron tp, KV heads lcm)   sharding.make_mesh (dp, tp)
+    gemma3     specs.shard_model (the same; its extra norms     sharding.make_mesh (dp, tp)
+               and per-head q/k norms replicated)
     deepseek   deepseek.param_specs + deepseek.shard            deepseek.make_mesh (tp, ep)
     qwen3_moe  -  (registry: no expert-parallel rules yet)
 
@@ -29,7 +31,8 @@ def _shard_deepseek(m: Model, mesh) -> Model:
 
 
 # (Model, mesh) -> the Model placed on the mesh
-SHARD = registry.check_table({"llama": shard_model, "deepseek": _shard_deepseek}, "sharding")
+SHARD = registry.check_table({"llama": shard_model, "gemma3": shard_model,
+                              "deepseek": _shard_deepseek}, "sharding")
 
 
 def shard(m: Model, mesh) -> Model:

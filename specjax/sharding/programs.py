@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from specjax import kv_cache, model, speculate
+from specjax import kv_cache, model, registry, speculate
 from specjax.sharding.distributed import barrier
 from specjax.sharding.dp_attention import ShardedAttention
 from specjax.sharding.specs import (ShardingPlan, as_plan, constrain_state, draft_specs, is_head,
@@ -126,7 +126,7 @@ def _logits_jit(params, tokens, lengths, *, cfg, plan):
     kv, page_table = kv_cache.init_contiguous(cfg, b, t, dtype=params["embed"].dtype)
     page_table = lax.with_sharding_constraint(page_table, plan.sharding(P("dp", None)))
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out, _, _ = model.forward(params, cfg, tokens, pos, kv, page_table,
+    out, _, _ = registry.forward(params, cfg, tokens, pos, kv, page_table,
                               jnp.zeros((b,), jnp.int32), lengths,
                               attn_impl=ShardedAttention.for_models(plan, cfg))
     return lax.with_sharding_constraint(out, plan.sharding(P()))

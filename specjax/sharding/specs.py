@@ -14,7 +14,8 @@ Layouts (``-`` = replicated; a dimension listed as ``tp`` is split over the tp a
     wo         [H*D, E]        (tp, -)      one all-reduce of [B, T, E] per layer
     w_gate/up  [E, F]          (-, tp)      MLP hidden (tp must divide F)
     w_down     [F, E]          (tp, -)      one all-reduce of [B, T, E] per layer
-    norms, output biases        -
+    norms, output biases        -            (Gemma 3's post-attention / post-MLP norms and
+                                            per-head q/k norms [D] too)
     KV pools   [Hkv, P, S, D]  (tp, dp, -, -)   pages split over dp, KV heads over tp
     batch state [B, ...]       (dp, ...)    page_table, lengths, tokens, keys, out buffer
     MTP / EAGLE head           sharded with the target: its block as a target layer, the
@@ -110,12 +111,14 @@ def as_plan(mesh_or_plan) -> ShardingPlan:
 # ------------------------------------------------------------------------------- partition specs
 
 def check_family(cfg, what: str = "model") -> None:
-    """Raises ValueError for a model this (dp, tp) layout cannot shard: the registry's Llama
-    family only (qwen3_moe's experts and DeepSeek have no rules here)."""
-    if type(cfg) not in registry.FAMILIES_CLASSES or registry.family_of(cfg).name != "llama":
+    """Raises ValueError for a model this (dp, tp) layout cannot shard: the families whose
+    registry record supports "tp_sharding" (llama, gemma3; qwen3_moe's experts and DeepSeek
+    have no rules here)."""
+    fam = registry.family_of(cfg) if type(cfg) in registry.FAMILIES_CLASSES else None
+    if fam is None or "tp_sharding" in dict(fam.unsupported):
         raise ValueError(
             f"specjax.sharding's (dp, tp) mesh shards Llama-family models (llama, mistral, qwen2, "
-            f"...); the {what} has a {type(cfg).__name__}. DeepSeek models shard on "
+            f"...) and Gemma 3; the {what} has a {type(cfg).__name__}. DeepSeek models shard on "
             f"deepseek.make_mesh(tp=..., ep=...) with deepseek.param_specs / deepseek.shard (and "
             f"deepseek.with_expert_parallel for all-to-all expert dispatch), then run sj.generate "
             f"without mesh=")
@@ -144,6 +147,7 @@ def layer_specs(lp: dict, cfg: ModelConfig, tp: int) -> dict:
     replicated when tp does not divide Hkv: repeat_kv_heads first to split them."""
     kv = _axis_if(cfg.num_kv_heads % tp == 0)
     rules = {"attn_norm": P(), "mlp_norm": P(), "q_norm": P(), "k_norm": P(),  # [D] per head
+             "post_attn_norm": P(), "post_mlp_norm": P(),  # Gemma 3's norms after attn / MLP
              "wq": P(None, "tp"), "bq": P("tp"), "wk": P(None, kv), "bk": P(kv),
              "wv": P(None, kv), "bv": P(kv), "wo": P("tp", None), "bo": P(),
              "w_gate": P(None, "tp"), "b_gate": P("tp"), "w_up": P(None, "tp"), "b_up": P("tp"),
@@ -155,7 +159,7 @@ def layer_specs(lp: dict, cfg: ModelConfig, tp: int) -> dict:
 
 
 def model_specs(params: dict, cfg: ModelConfig, tp: int, what: str = "target") -> dict:
-    """PartitionSpecs of a Llama-family params pytree, tensor-parallel over ``tp``."""
+    """PartitionSpecs of a Llama-family or Gemma 3 params pytree, tensor-parallel over ``tp``."""
     check_tp(cfg, tp, what)
     vocab = _axis_if(cfg.vocab_size % tp == 0)
     rules = {"embed": P(vocab, None), "lm_head": P(None, vocab), "norm": P()}
