@@ -6,11 +6,13 @@ Wikipedia intros with BOS, ``--prompt-tokens`` each). Sides (``--sides``, comma-
 
 * ``quantized``: ``sj.load_model(..., weights="quantized")``, the native kernel streams the
   file's blocks (SmolLM2 ~96 MB a token, Gemma ~260 MB);
+* ``int8``: ``activations="int8"``, the Q4_0 / Q4_1 / Q8_0 blocks times 8-bit inputs with
+  integer dots (llama.cpp's arithmetic; greedy text may differ from the other sides');
 * ``float32``: ``weights="float32"``, the native kernel on float32 panels (~4-7x the bytes);
 * ``xla``: ``SPECJAX_NATIVE=0`` (XLA's dots over the float32 weights), in a worker process of
   its own (the switch is read once per process); the other sides run in this one.
 
-All sides give the same greedy tokens (tests/test_quant.py, tests/test_quant_gemma.py; checked
+All sides but int8 give the same greedy tokens (tests/test_quant.py, tests/test_quant_gemma.py; checked
 here too). Per round, each side generates ``--max-new-tokens`` tokens (EOS off, prefill
 included) for each of ``--num-prompts`` prompts, one prompt at a time; the sides alternate
 within a round and the order reverses every round (interleaved, so drift hits all alike). After
@@ -43,7 +45,7 @@ def _commit() -> str:
         return "unknown"
 
 
-SIDES = ("quantized", "float32", "xla")
+SIDES = ("quantized", "int8", "float32", "xla")
 
 
 def _prompts(model: str, n: int, prompt_tokens: int):
@@ -64,7 +66,8 @@ class _Local:
         import specjax as sj
 
         self.sj, self.prompts, self.n_new = sj, prompts, n_new
-        self.model = sj.load_model(model, weights="float32" if side == "float32" else "quantized")
+        kw = {"float32": dict(weights="float32"), "int8": dict(activations="int8")}.get(side, {})
+        self.model = sj.load_model(model, **kw)
 
     def run(self):
         t0 = time.perf_counter()
@@ -147,7 +150,10 @@ def main(argv=None) -> dict:
                _Local(args.model, s, prompts, args.max_new_tokens) for s in sides}
     try:
         outs = {name: r.run()[1] for name, r in runners.items()}  # warm-up (compiles)
-        same = all(o == outs[sides[0]] for o in outs.values())
+        exact = [n for n in sides if n != "int8"]  # int8: another arithmetic, text may differ
+        same = all(outs[n] == outs[exact[0]] for n in exact) if exact else None
+        int8_rows_equal = (sum(a == b for a, b in zip(outs["int8"], outs[exact[0]]))
+                           if "int8" in outs and exact else None)
         rates = {name: [] for name in sides}
         loads = []
         for r in range(args.rounds):
@@ -169,7 +175,8 @@ def main(argv=None) -> dict:
         "command": " ".join(["python", *sys.argv]), "commit": _commit(), "model": args.model,
         "machine": machine_info(), "versions": versions(), "cpu_count": os.cpu_count(),
         "max_new_tokens": args.max_new_tokens, "num_prompts": len(prompts),
-        "rounds": args.rounds, "sides": sides, "greedy_tokens_equal": same, "loadavg": loads,
+        "rounds": args.rounds, "sides": sides, "greedy_tokens_equal": same,
+        "int8_rows_equal_to_exact": int8_rows_equal, "loadavg": loads,
         "results": summary,
         "ratio_to_first_side": {n: base / s["median_tok_s"] for n, s in summary.items()},
         "speedup_median": (summary["quantized"]["median_tok_s"] / summary["float32"]["median_tok_s"]
@@ -181,7 +188,7 @@ def main(argv=None) -> dict:
         print(f"{n:9s}: {s['median_tok_s']:.1f} tok/s median ({s['min']:.1f}..{s['max']:.1f})")
     print(f"{sides[0]} / others: " + ", ".join(f"{n} {v:.2f}x" for n, v in
                                               result["ratio_to_first_side"].items())
-          + f"; greedy tokens equal: {same}")
+          + f"; greedy tokens equal (exact sides): {same}; int8 rows equal: {int8_rows_equal}")
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
