@@ -2,8 +2,9 @@
 
 ``specjax.attention.paged_attention(impl="reference")`` runs this on CPU when the native kernels
 are built (``native_build.available()``), the inputs are float32 and the call has few query rows
-(``MAX_ROWS``: decode, verify, trees); prefill and every other backend keep the blockwise jnp
-path. Same semantics (specjax.attention's module docstring) and the same plain twin,
+(``MAX_ROWS``: decode, verify, trees) in a process with one device; prefill, every other
+backend and multi-device processes keep the blockwise jnp path (a custom call has no SPMD
+partitioning rule: under a tp-sharded cache XLA would gather the pools to run it). Same semantics (specjax.attention's module docstring) and the same plain twin,
 ``paged_attention_reference``, which the tests hold it to. Each query row is computed on its
 own, so a row's output does not depend on T or on the other rows (decode and verify agree).
 
@@ -37,4 +38,5 @@ def applies(q, k_pages, scale) -> bool:
     """Whether the native call runs for these shapes / dtypes (static: decided while tracing)."""
     return (q.dtype == jnp.float32 and k_pages.dtype == jnp.float32
             and q.shape[0] * q.shape[1] <= MAX_ROWS and q.shape[2] % k_pages.shape[0] == 0
-            and (scale is None or isinstance(scale, (int, float))) and available())
+            and (scale is None or isinstance(scale, (int, float))) and available()
+            and jax.device_count() == 1)

@@ -115,6 +115,8 @@ def test_bad_arguments():
         sj.load_model("smollm2-135m", activations="int4")
     with pytest.raises(ValueError, match="needs weights='quantized'"):
         sj.load_model("smollm2-135m", weights="float32", activations="int8")
+    with pytest.raises(ValueError, match="needs a GGUF target"):
+        sj.load_model("/some/transformers/dir", activations="int8")
 
 
 # ----------------------------------------------------------------------------- the real model
