@@ -168,7 +168,7 @@ def paged_attention(q, k_pages, v_pages, page_table, cache_start, num_new, new_m
     if impl == "reference":
         if window is not None:
             _check_window(window)
-        if native_attention.applies(q, k_pages, scale):
+        if native_attention.applies(q, k_pages, scale, v_pages):
             b, t, _, d = q.shape
             if new_mask is None:
                 new_mask = jnp.broadcast_to(causal_mask(t), (b, t, t))

@@ -34,9 +34,11 @@ def paged_attention_call(q, k_pages, v_pages, page_table, cache_start, num_new, 
                 scale=np.float32(scale), window=np.int64(window))
 
 
-def applies(q, k_pages, scale) -> bool:
+def applies(q, k_pages, scale, v_pages=None) -> bool:
     """Whether the native call runs for these shapes / dtypes (static: decided while tracing)."""
     return (q.dtype == jnp.float32 and k_pages.dtype == jnp.float32
             and q.shape[0] * q.shape[1] <= MAX_ROWS and q.shape[2] % k_pages.shape[0] == 0
+            and q.shape[3] == k_pages.shape[3]
+            and (v_pages is None or (v_pages.shape == k_pages.shape and v_pages.dtype == k_pages.dtype))
             and (scale is None or isinstance(scale, (int, float))) and available()
             and jax.device_count() == 1)

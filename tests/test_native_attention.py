@@ -94,3 +94,4 @@ def test_applies_only_to_few_float32_rows():
     assert not native_attention.applies(q.astype(jnp.bfloat16), k, None)
     assert not native_attention.applies(jnp.zeros((1, native_attention.MAX_ROWS + 1, 8, 16)), k, None)
     assert not native_attention.applies(q, k, jnp.float32(0.5))  # a traced / array scale
+    assert not native_attention.applies(q, k, None, jnp.zeros((2, 8, 4, 8)))  # values' own D
