@@ -59,6 +59,20 @@ def test_bad_arguments_exit_2(tiny_dirs, capsys):
         assert msg in capsys.readouterr().err
 
 
+def test_activations_flag(tiny_dirs, capsys):
+    """--activations is on every model-loading command, float32 by default; int8 on a
+    transformers dir is a clear error (exit 2), not a crash."""
+    target, _ = tiny_dirs
+    parser = cli.build_parser()
+    for cmd in ("generate", "demo", "serve"):
+        assert parser.parse_args([cmd]).activations == "float32"
+        assert parser.parse_args([cmd, "--activations", "int8"]).activations == "int8"
+    rc = cli.main(["generate", "--model", target, "--tokenizer", "smollm2-135m", "--prompt", "x",
+                   "--method", "none", "--activations", "int8"])
+    assert rc == 2
+    assert "needs a GGUF target" in capsys.readouterr().err
+
+
 def test_help_for_every_command(capsys):
     for cmd in ([], ["demo"], ["generate"], ["serve"], ["bench"], ["convert"], ["train-head"],
                 ["train-draft"]):
