@@ -10,7 +10,6 @@ tolerance of the exact path's.
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -50,7 +50,6 @@ import numpy as np
 
 from specjax import native, registry, request, speculate
 from specjax.api import check_draft
-from specjax.config import SpecConfig
 from specjax.engine import grammar, kv_groups, steps
 from specjax.engine.config import (SCHEDULES, EngineConfig, RequestParams,  # noqa: F401
                                    _is_int, check_spec_table, parse_spec_tokens_per_batch_size,
