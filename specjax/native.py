@@ -44,7 +44,7 @@ import numpy as np
 from specjax import heads, registry
 from specjax.io import gguf
 from specjax.native_build import MAX_ROWS, NB, QBLOCK, QTARGETS, TARGET, TARGETS, available  # noqa: F401
-from specjax.native_q8 import ACTIVATIONS, Q8TARGETS, Q8Weight, q8_layout
+from specjax.native_q8 import ACTIVATIONS, Q8TARGETS, q8_layout, q8_matmul
 
 log = logging.getLogger("specjax.native")
 
@@ -251,9 +251,39 @@ class QuantWeight:
         return y.reshape(*x.shape[:-1], self.w.shape[1])
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Q8Weight:
+    """A linear weight as float32 and as ``native_q8.q8_layout`` rows of the GGUF file's blocks,
+    multiplied with 8-bit activations (``load_model(activations="int8")``, specjax.native_q8).
+
+    Fields:
+      w: [K, N] the canonical float32 weight (XLA's dot, for more than MAX_ROWS rows).
+      q8: [N, K / 32 * bytes] uint8, row n = column n of ``w``.
+      qtype: static GGUF block type (a key of ``native_q8.Q8TARGETS``).
+      parts: static output widths of the weights fused into this one, or (N,).
+    """
+
+    w: jax.Array
+    q8: jax.Array
+    qtype: str = dataclasses.field(default="Q8_0", metadata=dict(static=True))
+    parts: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+
+    shape = PackedWeight.shape
+    dtype = PackedWeight.dtype
+    ndim = PackedWeight.ndim
+
+    def __rmatmul__(self, x):  # x [..., K] -> [..., N]
+        rows = int(np.prod(x.shape[:-1]))
+        if rows > MAX_ROWS or x.dtype != jnp.float32:
+            return x @ self.w
+        y = q8_matmul(x.reshape(rows, x.shape[-1]), self.q8, self.qtype)
+        return y.reshape(*x.shape[:-1], self.w.shape[1])
+
+
 def quant_weight(ws, blocks, activations: str = "float32") -> QuantWeight | Q8Weight | PackedWeight:
     """[K, N_i] float32 weights and their GGUF blocks ``(qtype, q_i [N_i, bytes])`` -> one
-    QuantWeight [K, sum N_i] (a ``native_q8.Q8Weight`` with ``activations="int8"`` for the
+    QuantWeight [K, sum N_i] (a ``Q8Weight`` with ``activations="int8"`` for the
     types it covers); a PackedWeight when the blocks are missing or of mixed types."""
     if any(b is None for b in blocks) or len({b[0] for b in blocks}) != 1:
         return pack_weight(*ws)
@@ -264,7 +294,7 @@ def quant_weight(ws, blocks, activations: str = "float32") -> QuantWeight | Q8We
     parts = tuple(int(a.shape[1]) for a in ws)
     if activations == "int8" and blocks[0][0] in Q8TARGETS:
         return Q8Weight(w=w, q8=jnp.asarray(q8_layout(q, blocks[0][0])), qtype=blocks[0][0],
-                        parts=parts, max_rows=MAX_ROWS)
+                        parts=parts)
     return QuantWeight(w=w, q=jnp.asarray(q, jnp.uint8), qtype=blocks[0][0], parts=parts)
 
 

@@ -53,6 +53,7 @@ ATTENTION_TARGET = ("specjax_paged_attention", "SpecjaxPagedAttention")
 # compiled into one library: the float / exact-dequant matmuls, the int8-activation dots, attention
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", f)
             for f in ("skinny_matmul.cc", "q8_dot.cc", "paged_attention.cc")]
+_HEADERS = [os.path.join(os.path.dirname(__file__), "csrc", "common.h")]  # hashed, not compiled
 
 
 def _cpu_signature() -> str:
@@ -68,7 +69,7 @@ def _cpu_signature() -> str:
 def _build(cxx: str) -> str:
     """Compiles the kernel (once per source, compiler, jax and CPU) and returns the .so path."""
     src = b""
-    for name in _SOURCES:
+    for name in _SOURCES + _HEADERS:
         with open(name, "rb") as f:
             src += f.read()
     # -ffp-contract=off: the quantized kernels dequantize as gguf does (d * q + m, two roundings)

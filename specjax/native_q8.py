@@ -18,13 +18,11 @@ one 512-bit register.
 
 Pieces: ``q8_layout`` (GGUF blocks -> the kernel's row layout, numpy), ``q8_matmul`` (the custom
 call, registered by ``specjax.native.available()``), ``q8_matmul_reference`` (its plain numpy
-twin, from the published semantics: quantize the rows, exact integer block dots, float scales),
-``Q8Weight`` (the pytree ``x @ w`` dispatches on, like ``native.QuantWeight``).
+twin, from the published semantics: quantize the rows, exact integer block dots, float scales).
+``native.Q8Weight`` is the pytree ``x @ w`` dispatches on (beside ``native.QuantWeight``).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -104,42 +102,3 @@ def q8_matmul(x, q8, qtype: str):
                             jax.ShapeDtypeStruct((x.shape[0], q8.shape[0]), jnp.float32),
                             vmap_method="sequential")
     return call(x, q8)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Q8Weight:
-    """A linear weight as float32 and as ``q8_layout`` rows of the GGUF file's blocks.
-
-    Fields:
-      w: [K, N] the canonical float32 weight (XLA's dot, for more than ``max_rows`` rows).
-      q8: [N, K / 32 * bytes] uint8, row n = column n of ``w`` (``q8_layout``).
-      qtype: static GGUF block type (a key of ``Q8TARGETS``).
-      parts: static output widths of the weights fused into this one, or (N,).
-      max_rows: static: rows up to which the kernel runs (prefill above it runs XLA's dot).
-    """
-
-    w: jax.Array
-    q8: jax.Array
-    qtype: str = dataclasses.field(default="Q8_0", metadata=dict(static=True))
-    parts: tuple = dataclasses.field(default=(), metadata=dict(static=True))
-    max_rows: int = dataclasses.field(default=128, metadata=dict(static=True))
-
-    @property
-    def shape(self):
-        return self.w.shape
-
-    @property
-    def dtype(self):
-        return self.w.dtype
-
-    @property
-    def ndim(self):
-        return 2
-
-    def __rmatmul__(self, x):  # x [..., K] -> [..., N]
-        rows = int(np.prod(x.shape[:-1]))
-        if rows > self.max_rows or x.dtype != jnp.float32:
-            return x @ self.w
-        y = q8_matmul(x.reshape(rows, x.shape[-1]), self.q8, self.qtype)
-        return y.reshape(*x.shape[:-1], self.w.shape[1])

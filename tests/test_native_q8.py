@@ -133,9 +133,9 @@ def tok():
 def test_real_model_runs_int8_dots(models):
     _, q8 = models
     packed = native.inference_params(q8)
-    assert isinstance(packed["lm_head_packed"], native_q8.Q8Weight)
+    assert isinstance(packed["lm_head_packed"], native.Q8Weight)
     assert packed["lm_head_packed"].qtype == "Q8_0"
-    assert all(isinstance(lp[k], native_q8.Q8Weight) and lp[k].qtype == "Q4_1"
+    assert all(isinstance(lp[k], native.Q8Weight) and lp[k].qtype == "Q4_1"
                for lp in packed["layers"] for k in ("wq+wk+wv", "wo", "w_gate+w_up", "w_down"))
 
 

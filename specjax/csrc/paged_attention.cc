@@ -29,6 +29,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "common.h"
 
 namespace ffi = xla::ffi;
 
@@ -165,13 +166,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t helpers =
       (tasks < 2 || work->B * work->H * work->T * keys < (1 << 16)) ? 0
                                                                      : std::min<int64_t>(pool.num_threads(), tasks - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < tasks) {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
+  specjax::RunOnPool(pool, helpers, work, tasks);
   return ffi::Error::Success();
 }
 

@@ -33,6 +33,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "common.h"
 
 namespace ffi = xla::ffi;
 
@@ -56,25 +57,10 @@ constexpr int kLanes = 32;               // int32 lanes of per-lane corrections 
 #define SPECJAX_Q8_AVX2 1
 #endif
 
-inline float Half(const uint8_t* p) {  // IEEE half -> float (exact)
+inline float Half(const uint8_t* p) {  // a little-endian IEEE half at p -> float (exact)
   uint16_t h;
   std::memcpy(&h, p, sizeof h);
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
-  if (exp == 0x1fu) {
-    u = sign | 0x7f800000u | (man << 13);
-  } else if (exp != 0) {
-    u = sign | ((exp + 112u) << 23) | (man << 13);
-  } else if (man == 0) {
-    u = sign;
-  } else {
-    int e = -1;
-    do { man <<= 1; ++e; } while (!(man & 0x400u));
-    u = sign | ((112u - e) << 23) | ((man & 0x3ffu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
+  return specjax::HalfToFloat(h);
 }
 
 // One input row, quantized and laid out for group g of 4 blocks:
@@ -354,14 +340,7 @@ ffi::Error Q8DotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   chunk += chunk % 2;
   work->chunk = chunk;
   work->num_chunks = (N + chunk - 1) / chunk;
-  for (int64_t i = 0; i < std::min(helpers, work->num_chunks - 1); ++i)
-    pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->num_chunks) {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
+  specjax::RunOnPool(pool, std::min(helpers, work->num_chunks - 1), work, work->num_chunks);
   return ffi::Error::Success();  // the scratch outlives every helper: all chunks are done
 }
 

@@ -30,6 +30,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "common.h"
 
 namespace ffi = xla::ffi;
 
@@ -90,25 +91,8 @@ inline Vec VLoadBF16(const uint16_t* p) {
 #define SPECJAX_SCALAR_F16 1
 #endif
 
-// IEEE half -> float without F16C (exact: every half is a float).
-inline float HalfToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
-  if (exp == 0x1fu) {
-    u = sign | 0x7f800000u | (man << 13);  // inf / nan
-  } else if (exp != 0) {
-    u = sign | ((exp + 112u) << 23) | (man << 13);
-  } else if (man == 0) {
-    u = sign;  // +-0
-  } else {  // subnormal: normalise
-    int e = -1;
-    do { man <<= 1; ++e; } while (!(man & 0x400u));
-    u = sign | ((112u - e) << 23) | ((man & 0x3ffu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+using specjax::HalfToFloat;
+
 #if defined(SPECJAX_SCALAR_F16)
 inline Vec VLoadF16(const uint16_t* p) {
   alignas(64) float buf[kVec];
@@ -246,14 +230,7 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   chunk += chunk % 2;
   work->chunk = chunk;
   work->num_chunks = (P + chunk - 1) / chunk;
-  for (int64_t i = 0; i < std::min(helpers, work->num_chunks - 1); ++i)
-    pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->num_chunks) {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
+  specjax::RunOnPool(pool, std::min(helpers, work->num_chunks - 1), work, work->num_chunks);
   return ffi::Error::Success();
 }
 
@@ -569,14 +546,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   chunk += chunk % 2;
   work->chunk = chunk;
   work->num_chunks = (N + chunk - 1) / chunk;
-  for (int64_t i = 0; i < std::min(helpers, work->num_chunks - 1); ++i)
-    pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->num_chunks) {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
+  specjax::RunOnPool(pool, std::min(helpers, work->num_chunks - 1), work, work->num_chunks);
   return ffi::Error::Success();
 }
 
