@@ -122,7 +122,7 @@ KINDS = ("mtp", "eagle", "eagle3")
 
 def llama_block_config(target_cfg) -> ModelConfig:
     """A one-layer Llama ``ModelConfig`` with the target's sizes, whatever the target's family
-    (a Gemma 3 or Qwen3-MoE target's extra fields are dropped): a new EAGLE-3 head's midlayer
+    (a Gemma 3 or Qwen3-MoE target's extra fields and a Qwen3 target's q/k norms are dropped): a new EAGLE-3 head's midlayer
     (the reference ``LlamaForCausalLMEagle3``; ``io.heads_io.load_eagle3`` reads one too) and
     the widths of a new DFlash drafter (``train.dflash_train.drafter_config``). A target
     without Llama attention sizes (DeepSeek's MLA) gets its H query heads, its
@@ -133,7 +133,9 @@ def llama_block_config(target_cfg) -> ModelConfig:
         kw["head_dim"] = max(2, target_cfg.hidden_size // target_cfg.num_heads // 2 * 2)
     if not isinstance(kw.get("rope_scaling"), RopeScaling):
         kw["rope_scaling"] = None  # another family's scaling (DeepSeek's YaRN): plain RoPE
-    return ModelConfig(**dict(kw, num_layers=1))
+    # a Llama layer has no q/k norms (a Qwen3 target's do not carry over: the EAGLE-3 layout
+    # has no tensors for them)
+    return ModelConfig(**dict(kw, num_layers=1, qk_norm=False))
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:

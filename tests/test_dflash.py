@@ -270,21 +270,25 @@ def test_training_loss_learns_a_fixed_batch(setup):
     assert np.isfinite(first) and float(loss(params)) < first - 0.5
 
 
-def test_train_entry_point_resumes_and_exports(setup, tmp_path):
-    """``python -m specjax.train.dflash_train`` on a tiny corpus: trains, resumes from its orbax
-    state with more steps, and exports a drafter the published-layout loader reads back."""
+def _write_corpus(root, rows: int = 8, seed: int = 2):
+    """A tiny distilled corpus (train / held shards of random answers) under root."""
     import gzip
-
-    from specjax.train import dflash_train
-    hf, target, _, _ = setup
-    rng = np.random.RandomState(2)
+    rng = np.random.RandomState(seed)
     for split in ("train", "held"):
-        os.makedirs(tmp_path / split)
-        with gzip.open(tmp_path / split / "answers-00000.jsonl.gz", "wt") as f:
-            for _ in range(8):
+        os.makedirs(root / split)
+        with gzip.open(root / split / "answers-00000.jsonl.gz", "wt") as f:
+            for _ in range(rows):
                 n = int(rng.randint(20, 40))
                 f.write(json.dumps({"ids": rng.randint(3, 97, n).tolist(), "prompt_len": 6,
                                     "domain": "chat", "source": "t", "temperature": 0.0}) + "\n")
+
+
+def test_train_entry_point_resumes_and_exports(setup, tmp_path):
+    """``python -m specjax.train.dflash_train`` on a tiny corpus: trains, resumes from its orbax
+    state with more steps, and exports a drafter the published-layout loader reads back."""
+    from specjax.train import dflash_train
+    hf, target, _, _ = setup
+    _write_corpus(tmp_path)
     hf.save_pretrained(tmp_path / "target")
     argv = ["--out", str(tmp_path / "run"), "--model", str(tmp_path / "target"),
             "--corpus", str(tmp_path / "train"), "--held-out-corpus", str(tmp_path / "held"),
@@ -302,6 +306,38 @@ def test_train_entry_point_resumes_and_exports(setup, tmp_path):
     assert head.config.block_size == 4 and head.config.target_layer_ids == (0, 2)
     with open(tmp_path / "run" / "held_out.json") as f:
         assert np.isfinite(json.load(f)["loss"])
+
+
+def test_train_head_cli_trains_block_drafters(setup, tmp_path, capsys):
+    """``specjax train-head --kind dflash|peagle``: the CLI runs the block drafters' trainers
+    (features under --work, the run under --work/run-KIND, the drafter written to --out, read
+    back by load_draft); flags the other kind or the MTP / EAGLE heads read are refused by name
+    before any work."""
+    from specjax import cli, peagle
+    hf, target, _, _ = setup
+    _write_corpus(tmp_path)
+    hf.save_pretrained(tmp_path / "target")
+    base = ["train-head", "--model", str(tmp_path / "target"), "--work", str(tmp_path / "w"),
+            "--corpus", str(tmp_path / "train"), "--held-out-corpus", str(tmp_path / "held"),
+            "--shards", "1", "--mask-token-id", "5", "--anchors", "3", "--batch-size", "2",
+            "--seq-len", "40", "--steps", "2", "--save-every", "2"]
+    assert cli.main(base + ["--kind", "dflash", "--out", str(tmp_path / "d"), "--block-size", "4",
+                            "--target-layer-ids", "0,2"]) == 0
+    head = sj.load_draft(str(tmp_path / "d"), target=target)
+    assert isinstance(head, dflash.DFlashHead) and head.config.block_size == 4
+    assert os.path.exists(tmp_path / "w" / "run-dflash" / "log.jsonl")
+    assert cli.main(base + ["--kind", "peagle", "--out", str(tmp_path / "p"), "--depths", "3"]) == 0
+    head = sj.load_draft(str(tmp_path / "p"), target=target)
+    assert isinstance(head, peagle.PEagleHead) and head.config.num_depths == 3
+    capsys.readouterr()
+    for kind, bad, msg in [("dflash", ["--rollout", "2"], "--rollout not read by --kind dflash"),
+                           ("dflash", ["--depths", "3"], "--depths not read by --kind dflash"),
+                           ("peagle", ["--block-size", "16"], "--block-size not read by --kind peagle"),
+                           ("peagle", ["--corpus", "x"], "--corpus needs --held-out-corpus"),
+                           ("mtp", ["--block-size", "16"], "only read by --kind dflash / peagle")]:
+        argv = ["train-head", "--model", "unused", "--out", "unused", "--kind", kind, *bad]
+        assert cli.main(argv) == 2
+        assert msg in capsys.readouterr().err
 
 
 def test_drafter_config_for_a_deepseek_target():

@@ -205,10 +205,13 @@ def add_train_flags(p) -> None:
     p.add_argument("--num-wiki", type=int, default=2048, help="wiki extracts framed as answers")
     p.add_argument("--held-out-prompts", type=int, default=64)
     p.add_argument("--answer-tokens", type=int, default=128)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
+    # None: the recipe of the kind trained (TRAIN_DEFAULTS); block drafters train longer sequences
+    # in smaller batches at a lower rate than the MTP / EAGLE heads
+    p.add_argument("--seq-len", type=int, default=None, help="default 256 (320 for dflash/peagle)")
+    p.add_argument("--steps", type=int, default=None, help="default 400 (1500 for dflash/peagle)")
+    p.add_argument("--batch-size", type=int, default=None, help="default 8 (4 for dflash/peagle)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="default 1e-3 (6e-4 for dflash, 3e-4 for peagle)")
     p.add_argument("--rollout", type=int, default=None,
                    help="heads: training passes fed the head's own previous output (EAGLE-3-style "
                         "training-time test; 1 = teacher-forced only; default 3 for eagle3, else 1)")
@@ -221,12 +224,28 @@ def add_train_flags(p) -> None:
                    help="run directory under --work (resumed when it exists; default from the kind)")
 
 
+# the recipe defaults of the shared training flags, per kind (the block drafters' are their
+# trainers' own: specjax.train.dflash_train / peagle_train)
+TRAIN_DEFAULTS = {"seq_len": 256, "steps": 400, "batch_size": 8, "lr": 1e-3}
+BLOCK_TRAIN_DEFAULTS = {"dflash": {"seq_len": 320, "steps": 1500, "batch_size": 4, "lr": 6e-4},
+                        "peagle": {"seq_len": 320, "steps": 1500, "batch_size": 4, "lr": 3e-4}}
+
+
+def resolve_train_defaults(args) -> None:
+    """Fills the shared training flags left unset with the recipe of ``args.kind``."""
+    defaults = BLOCK_TRAIN_DEFAULTS.get(getattr(args, "kind", None), TRAIN_DEFAULTS)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def prepare_training(args):
     """Builds (or resumes) the training data of train-head / train-draft: (target, tok,
     TrainConfig, the pipeline module)."""
     # Stage and resume messages of the training pipeline go to stderr, timestamped.
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
+    resolve_train_defaults(args)
     target = sj.load_model(args.model)
     tok = sj.load_tokenizer(args.model)
     eagle3 = getattr(args, "kind", None) == "eagle3"
