@@ -41,8 +41,6 @@ from specjax.train.corpora import chat_prompts
 from specjax.tree import TreeConfig
 
 
-def _method(draft) -> str:
-    return draft.config.kind if isinstance(draft, Head) else "draft"
 
 
 def _prompts(tok, prompt_set: str, n: int) -> list[list[int]]:
@@ -307,14 +305,14 @@ def main(argv=None):
     for name, d in drafts.items():
         for k in ks:
             if not args.hybrid_only:
-                configs[(name, f"{k}")] = (k, dict(draft=d, method=_method(d), num_draft_tokens=k))
+                configs[(name, f"{k}")] = (k, dict(draft=d, method=sj.draft_method(d), num_draft_tokens=k))
             if args.hybrid_min:
                 configs[(name, f"{k} hybrid {args.hybrid_min}")] = (
-                    k, dict(draft=d, method=_method(d), num_draft_tokens=k, hybrid_min=args.hybrid_min))
+                    k, dict(draft=d, method=sj.draft_method(d), num_draft_tokens=k, hybrid_min=args.hybrid_min))
         for k in confident:  # adaptive k in 0..K by the drafts' confidence
             for hybrid in sorted({args.hybrid_min} if args.hybrid_only else {0, args.hybrid_min}):
                 label = f"conf {k}" + (f" hybrid {hybrid}" if hybrid else "")
-                configs[(name, label)] = (k, dict(draft=d, method=_method(d), num_draft_tokens=k,
+                configs[(name, label)] = (k, dict(draft=d, method=sj.draft_method(d), num_draft_tokens=k,
                                                   hybrid_min=hybrid, adaptive=True,
                                                   adaptive_by="confidence"))
         for depth, top_k, nodes in (trees if isinstance(d, Head) else []):

@@ -25,15 +25,9 @@ import time
 import numpy as np
 
 import specjax as sj
-from specjax.dflash import DFlashHead
-from specjax.heads import Head
 from specjax.train.prompts import DOMAINS, broad_prompts
 
 
-def _method(draft) -> str:
-    if isinstance(draft, DFlashHead):
-        return "dflash"
-    return draft.config.kind if isinstance(draft, Head) else "draft"
 
 
 def evaluate(target, tok, draft, configs, prompts_per_domain: int, max_new_tokens: int,
@@ -100,7 +94,7 @@ def main(argv=None):
     target = sj.load_model("smollm2-135m")
     tok = sj.load_tokenizer("smollm2-135m")
     draft = sj.load_draft(args.draft, target=target)
-    configs = [(f"k={k}", dict(method=_method(draft), num_draft_tokens=int(k)))
+    configs = [(f"k={k}", dict(method=sj.draft_method(draft), num_draft_tokens=int(k)))
                for k in args.ks.split(",") if k]
     if args.tree:
         from specjax.tree import TreeConfig  # noqa: PLC0415

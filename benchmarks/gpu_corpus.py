@@ -20,7 +20,15 @@ section):
              ``--steps`` at ``--train-batch``, from scratch or ``--init-from`` a head checkpoint
              on the machine (fine-tune; its vocabulary kept); written in the reference layout and
              returned as ``head.tar.partN`` files of <= 15 MiB.
-6. arms      the ablation (``--arms``): shorter runs that each change one thing of the main
+6. dflash    a DFlash block drafter (``specjax.train.dflash_train.train_drafter``: ``--dflash-layers``
+             layers, block ``--dflash-block``, target layers 1/14/26) on the same features for
+             ``--block-steps`` at ``--block-batch``, stopping at ``--block-budget-s`` (its state
+             saved; the held-out metrics say how many steps ran); ``dflash.tar.partN``.
+7. peagle    a P-EAGLE head (``specjax.train.peagle_train.train_head``, K = ``--peagle-depths``)
+             started from the EAGLE-3 head of section 5 (or ``--init-from``), same budget rule;
+             ``peagle.tar.partN``. ``--sections`` picks the sections to run, e.g.
+             ``--sections features,dflash,peagle --gen-budget-s 0`` on the committed corpus.
+8. arms      the ablation (``--arms``): shorter runs that each change one thing of the main
              recipe, e.g. ``--arms "mtp:kind=mtp;r1:rollout=1;data1x:shards=8;v32k:vocab=32768"``
              (keys: kind eagle3|mtp, rollout, shards = the first N train shards, vocab, steps;
              ``--arm-steps`` by default), each with its held-out top-1 per domain (teacher-forced)
@@ -76,6 +84,9 @@ PREP_DIR = os.path.join(REPO, ".gpucorpus")
 CORPUS = os.path.join(REPO, "checkpoints", "corpus", "broad")
 HELD_OUT = os.path.join(REPO, "checkpoints", "corpus", "broad-held-out")
 HEAD_OUT = os.path.join(REPO, "checkpoints", "smollm2-eagle3")
+BLOCK_OUT = {"dflash": os.path.join(REPO, "checkpoints", "smollm2-dflash-gpu"),
+             "peagle": os.path.join(REPO, "checkpoints", "smollm2-peagle-gpu")}
+SECTIONS = ("held_out", "corpus", "features", "train", "dflash", "peagle", "arms")
 PART_BYTES = 15 << 20
 TREE_LIMIT_MIB = 64.0
 
@@ -130,14 +141,15 @@ def unpack(files_at: str) -> None:
                 names = [m for m in t.getnames() if not os.path.exists(os.path.join(dst, m))]
                 t.extractall(dst, members=[t.getmember(m) for m in names])
             print(f"{dst}: {len(names)} new shards")
-    parts = sorted(glob.glob(os.path.join(files_at, "head.tar.part*")),
-                   key=lambda p: int(p.rsplit("part", 1)[1]))
-    if parts:
-        buf = io.BytesIO(b"".join(open(p, "rb").read() for p in parts))
-        with tarfile.open(fileobj=buf) as t:
-            t.extractall(HEAD_OUT)
-        shutil.copy(os.path.join(files_at, "gpu_corpus.json"), os.path.join(HEAD_OUT, "gpu_run.json"))
-        print(f"{HEAD_OUT}: head from {len(parts)} parts")
+    for stem, dst in (("head", HEAD_OUT), *BLOCK_OUT.items()):
+        parts = sorted(glob.glob(os.path.join(files_at, f"{stem}.tar.part*")),
+                       key=lambda p: int(p.rsplit("part", 1)[1]))
+        if parts:
+            buf = io.BytesIO(b"".join(open(p, "rb").read() for p in parts))
+            with tarfile.open(fileobj=buf) as t:
+                t.extractall(dst)
+            shutil.copy(os.path.join(files_at, "gpu_corpus.json"), os.path.join(dst, "gpu_run.json"))
+            print(f"{dst}: {stem} from {len(parts)} parts")
 
 
 ARM_KEYS = {"kind": str, "rollout": int, "shards": int, "vocab": int, "steps": int}
@@ -181,6 +193,13 @@ class Plan:
     rollout: int = 3  # the main head's fed-back passes (training-time test); 1 = teacher-forced
     lr: float = 1e-3
     init_from: str | None = None  # the main head starts from this head checkpoint (fine-tune)
+    sections: tuple[str, ...] = SECTIONS
+    block_steps: int = 4000  # DFlash / P-EAGLE steps (each stops at block_budget_s)
+    block_batch: int = 32
+    block_budget_s: float = 150.0
+    dflash_layers: int = 1
+    dflash_block: int = 8
+    peagle_depths: int = 4
 
 
 def _target(plan: Plan, explicit: str | None):
@@ -278,17 +297,59 @@ def run(plan: Plan, budget_s: float, explicit_gguf: str | None) -> dict:
                                   run_name=f"run-{name}", data=(train, held), init_from=init_from)
         return head_dir, rep
 
-    def train():
-        head_dir, rep = fit("head", init_from=plan.init_from)
+    def parts(src_dir, stem):
+        """src_dir's files as OUT/<stem>.tar.partN of <= PART_BYTES; returns the bytes."""
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as t:
-            for name in sorted(os.listdir(head_dir)):
-                t.add(os.path.join(head_dir, name), arcname=name)
+            for name in sorted(os.listdir(src_dir)):
+                t.add(os.path.join(src_dir, name), arcname=name)
         blob = buf.getvalue()
         for i in range(0, len(blob), PART_BYTES):
-            with open(os.path.join(plan.out, f"head.tar.part{i // PART_BYTES}"), "wb") as f:
+            with open(os.path.join(plan.out, f"{stem}.tar.part{i // PART_BYTES}"), "wb") as f:
                 f.write(blob[i:i + PART_BYTES])
-        return {"report": rep, "head_bytes": len(blob)}
+        return len(blob)
+
+    def train():
+        head_dir, rep = fit("head", init_from=plan.init_from)
+        state["head_dir"] = head_dir
+        return {"report": rep, "head_bytes": parts(head_dir, "head")}
+
+    def block_tc(lr):
+        steps = 3 if plan.tiny else plan.block_steps
+        return trainer.TrainConfig(steps=steps, batch_size=plan.train_batch if plan.tiny else plan.block_batch,
+                                   seq_len=plan.seq_len, lr=lr, warmup=min(50, steps // 10),
+                                   save_every=max(steps // 4, 1), log_every=max(steps // 50, 1))
+
+    def deadline():  # leaves a minute of the budget for the held-out pass, export and parts
+        return time.perf_counter() + max(5.0, min(plan.block_budget_s, report.left() - 60.0))
+
+    def dflash_section():
+        from specjax.train import dflash_train  # noqa: PLC0415
+        target = state["target"]
+        train, held = state["data"]
+        cfg = dflash_train.drafter_config(target.config, layers=plan.dflash_layers,
+                                          block_size=plan.dflash_block,
+                                          mask_token_id=3 if plan.tiny else 16)
+        tc, t0 = block_tc(6e-4), time.perf_counter()
+        out = os.path.join(plan.work, "dflash")
+        m = dflash_train.train_drafter(target, cfg, train, held, tc, os.path.join(plan.work, "run-dflash"),
+                                       eval_batches=2 if plan.tiny else 16, export=out,
+                                       deadline=deadline())
+        return {"held_out": m, "seconds": time.perf_counter() - t0, "batch": tc.batch_size,
+                "bytes": parts(out, "dflash")}
+
+    def peagle_section():
+        from specjax.train import peagle_train  # noqa: PLC0415
+        target = state["target"]
+        train, held = state["data"]
+        start = plan.init_from or state.get("head_dir")
+        head = peagle_train.start_head(target, start, 3 if plan.tiny else 16, plan.peagle_depths)
+        tc, t0 = block_tc(3e-4), time.perf_counter()
+        out = os.path.join(plan.work, "peagle")
+        m = peagle_train.train_head(target, head, train, held, tc, os.path.join(plan.work, "run-peagle"),
+                                    eval_batches=2 if plan.tiny else 16, export=out, deadline=deadline())
+        return {"held_out": m, "init_from": start, "seconds": time.perf_counter() - t0,
+                "batch": tc.batch_size, "bytes": parts(out, "peagle")}
 
     def arms():
         import specjax as sj  # noqa: PLC0415
@@ -325,7 +386,11 @@ def run(plan: Plan, budget_s: float, explicit_gguf: str | None) -> dict:
                                       plan.first_shard, gen_left(), "corpus_new.tar"), 30),
             ("features", features, 20),
             ("train", train, 30),
+            ("dflash", dflash_section, 60),
+            ("peagle", peagle_section, 60),
             ("arms", arms, 60)):
+        if name != "load" and name not in plan.sections:
+            continue
         res = report.section(name, fn, 0 if plan.tiny else need)
         if res["status"] != "ok":
             break
@@ -366,6 +431,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--arm-steps", type=int, default=500)
     ap.add_argument("--arm-accept-prompts", type=int, default=4,
                     help="held-out prompts per domain decoded per arm (0: teacher-forced metrics only)")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help="the sections to run, comma-separated (env and load always run)")
+    ap.add_argument("--block-steps", type=int, default=4000, help="DFlash / P-EAGLE steps")
+    ap.add_argument("--block-batch", type=int, default=32)
+    ap.add_argument("--block-budget-s", type=float, default=150.0,
+                    help="each block drafter stops after this many seconds (state saved)")
+    ap.add_argument("--dflash-layers", type=int, default=1)
+    ap.add_argument("--dflash-block", type=int, default=8)
+    ap.add_argument("--peagle-depths", type=int, default=4)
     ap.add_argument("--budget-s", type=float, default=540.0)
     ap.add_argument("--smollm2-gguf", default=None)
     args = ap.parse_args(argv)
@@ -373,6 +447,12 @@ def main(argv=None) -> dict:
         parse_arms(args.arms)
     except ValueError as e:
         ap.error(str(e))
+    sections = tuple(x.strip() for x in args.sections.split(",") if x.strip())
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        ap.error(f"--sections: unknown {unknown} (choose from {', '.join(SECTIONS)})")
+    block = dict(sections=sections, dflash_layers=args.dflash_layers,
+                 dflash_block=args.dflash_block, peagle_depths=args.peagle_depths)
     if args.prepare:
         prepare()
         return {}
@@ -386,14 +466,15 @@ def main(argv=None) -> dict:
         plan = Plan(out=args.out, first_shard=0, held_out_shards=1, batch_size=8, gen_budget_s=1e9,
                     steps=4, train_batch=4, seq_len=32, draft_vocab=32, work=args.work,
                     arms=args.arms or "mtp:kind=mtp,rollout=1;data1:shards=1", arm_steps=2,
-                    arm_accept_prompts=1, tiny=True)
+                    arm_accept_prompts=1, tiny=True, **block)
     else:
         plan = Plan(out=args.out, first_shard=first, held_out_shards=args.held_out_shards,
                     batch_size=args.batch_size, gen_budget_s=args.gen_budget_s, steps=args.steps,
                     train_batch=args.train_batch, seq_len=args.seq_len, draft_vocab=args.draft_vocab,
                     work=args.work, arms=args.arms, arm_steps=args.arm_steps,
                     arm_accept_prompts=args.arm_accept_prompts, rollout=args.rollout, lr=args.lr,
-                    init_from=args.init_from)
+                    init_from=args.init_from, block_steps=args.block_steps,
+                    block_batch=args.block_batch, block_budget_s=args.block_budget_s, **block)
     data = run(plan, args.budget_s, args.smollm2_gguf)
     print(open(os.path.join(args.out, "gpu_corpus.md")).read())
     return data

@@ -156,10 +156,21 @@ def load_draft(path, target: Model, dtype=None):
         draft = Head(params=cast_floats(mtp.params, dtype), config=mtp.config)
     else:
         draft = load_model(path, dtype)
-    kind = (draft.config.kind if isinstance(draft, (Head, PEagleHead))
-            else "dflash" if isinstance(draft, DFlashHead) else "draft")
-    check_draft(draft, target, kind)
+    check_draft(draft, target, draft_method(draft))
     return draft
+
+
+def draft_method(draft) -> str:
+    """The speculation method a loaded draft is used with: a head's kind ("mtp", "eagle",
+    "eagle3", "peagle"), "dflash" for a block drafter, "draft" for a draft LLM."""
+    if isinstance(draft, (Head, PEagleHead)):
+        return draft.config.kind
+    if isinstance(draft, DFlashHead):
+        return "dflash"
+    if isinstance(draft, Model):
+        return "draft"
+    raise TypeError(f"draft must be a specjax Model, head or block drafter, got "
+                    f"{type(draft).__name__}")
 
 
 def early_exit_draft(target: Model, num_layers: int) -> Model:

@@ -89,14 +89,18 @@ def test_gpu_corpus_cpu_smoke_and_unpack(tmp_path, monkeypatch):
     """benchmarks/gpu_corpus.py end to end on a tiny model: held-out and train shards, features,
     an EAGLE-3 head in the reference layout split into parts, and --unpack putting them back."""
     pytest.importorskip("torch")
+    import specjax as sj
     gc = _load("gpu_corpus")
     out = tmp_path / "out"
     data = gc.main(["--cpu-smoke", "--out", str(out), "--work", str(tmp_path / "work"),
                     "--arms", "mtp:kind=mtp,rollout=1"])
     sec = data["sections"]
     assert {k: v["status"] for k, v in sec.items()} == {k: "ok" for k in (
-        "env", "load", "held_out", "corpus", "features", "train", "arms")}, \
+        "env", "load", "held_out", "corpus", "features", "train", "dflash", "peagle", "arms")}, \
         {k: v.get("error") for k, v in sec.items()}
+    # the block drafters ran their 3 steps on the same features; P-EAGLE from the section's head
+    assert sec["dflash"]["held_out"]["steps"] == sec["peagle"]["held_out"]["steps"] == 3
+    assert sec["peagle"]["init_from"].endswith("head")
     arms = sec["arms"]["arms"]
     assert set(arms) == {"base", "mtp"} and arms["mtp"]["config"] == {"kind": "mtp", "rollout": 1}
     assert all(a["identical_to_plain"] and "all" in a["accepted_length_k3"] for a in arms.values())
@@ -104,9 +108,15 @@ def test_gpu_corpus_cpu_smoke_and_unpack(tmp_path, monkeypatch):
         gc.main(["--arms", "x:depth=3"])  # unknown key: a usage error naming it
     assert sec["corpus"]["new_shards"] == [f"answers-0000{i}.jsonl.gz" for i in range(3)]
     assert sec["features"]["train_answer_tokens"] == sec["corpus"]["answer_tokens"] > 0
+    with pytest.raises(SystemExit):
+        gc.main(["--sections", "features,magic"])  # unknown section: a usage error
     for name, d in (("CORPUS", "corpus"), ("HELD_OUT", "held"), ("HEAD_OUT", "head")):
         monkeypatch.setattr(gc, name, str(tmp_path / d))
+    monkeypatch.setattr(gc, "BLOCK_OUT", {k: str(tmp_path / k) for k in gc.BLOCK_OUT})
     gc.main(["--unpack", str(out)])
+    target = gc._target(gc.Plan(**{**data["plan"], "sections": ()}), None)[0]
+    for kind in ("dflash", "peagle"):  # the unpacked drafters load against the run's target
+        assert sj.draft_method(sj.load_draft(str(tmp_path / kind), target=target)) == kind
     assert sorted(os.listdir(tmp_path / "corpus")) == sec["corpus"]["new_shards"]
     assert sorted(os.listdir(tmp_path / "head")) == ["config.json", "gpu_run.json",
                                                      "model.safetensors", "report.json"]

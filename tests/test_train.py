@@ -93,6 +93,31 @@ def test_resume_continues_from_checkpoint(setup):
     assert sorted(int(n) for n in os.listdir(os.path.join(run, trainer.STATES))) == [9, 10]
 
 
+def test_deadline_stops_saves_and_resumes(setup):
+    """``fit(deadline=)`` (the GPU call's time budget): no step starts after the deadline, the
+    state is saved where it stopped (``last_step``), and a rerun without one goes on from there
+    to the same params as an uninterrupted run."""
+    import time
+    target, data, work = setup
+    hcfg = HeadConfig.for_target(target.config, "mtp")
+    tc = trainer.TrainConfig(steps=6, batch_size=8, seq_len=32, save_every=4, log_every=1)
+
+    def loss_fn(p, tp, tokens, lengths, hidden, plens):
+        return trainer.head_loss(p, hcfg, tp, target.config, tokens, lengths, hidden, tc, plens)
+
+    run = str(work / "run-deadline")
+    assert trainer.last_step(run) == 0
+    trainer.fit(loss_fn, init_head(hcfg, jax.random.key(0)), target.params, data, tc, run,
+                deadline=time.perf_counter())
+    assert trainer.last_step(run) == 1
+    resumed = trainer.fit(loss_fn, init_head(hcfg, jax.random.key(0)), target.params, data, tc, run)
+    assert trainer.last_step(run) == 6
+    full = trainer.fit(loss_fn, init_head(hcfg, jax.random.key(0)), target.params, data, tc,
+                       str(work / "run-deadline-full"))
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_legacy_states_resume(tmp_path):
     """Run dirs written before the CheckpointManager (state.npz, then hand-rotated orbax
     ``state-<step>`` dirs) still resume; a manager step wins over both."""

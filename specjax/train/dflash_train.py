@@ -105,6 +105,37 @@ def export_head(params, cfg, target_cfg, out: str, dtype: str = "float16") -> No
                           num_target_layers=target_cfg.num_layers, dtype=dtype)
 
 
+def train_drafter(target, cfg: dflash.DFlashConfig, train, held, tc: trainer.TrainConfig,
+                  run_dir: str, *, anchors: int = 16, gamma: float | None = None,
+                  eval_batches: int = 16, export: str | None = None, signature: dict | None = None,
+                  deadline: float | None = None) -> dict:
+    """Trains (or resumes) a DFlash drafter ``cfg`` on feature sets ``train`` / ``held``
+    (``pipeline.prepare_broad``'s, holding ``cfg.aux_layers``) in ``run_dir``; writes
+    ``held_out.json`` there and, with ``export``, the drafter in the published layout. gamma
+    default: 7 for B >= 16, else 4. ``deadline``: ``trainer.fit``'s. Returns the held-out
+    metrics (teacher-forced) with ``steps`` (those run)."""
+    gamma = gamma if gamma is not None else (7.0 if cfg.block_size >= 16 else 4.0)
+    loss = lambda *a: dflash_loss(*a, cfg=cfg, target_cfg=target.config,  # noqa: E731
+                                  anchors=anchors, gamma=gamma, seed=tc.seed)
+    params = dflash.init_params(cfg, jax.random.key(tc.seed))
+    sig = {"kind": "dflash", "config": dataclasses.asdict(cfg), "anchors": anchors,
+           "gamma": gamma, **(signature or {})}
+    params = trainer.fit(loss, params, target.params, train, tc, run_dir,
+                         describe=f"dflash B={cfg.block_size} L={cfg.num_layers}", signature=sig,
+                         deadline=deadline)
+    m = trainer.evaluate(loss, params, target.params, held, batch_size=tc.batch_size,
+                         seq_len=tc.seq_len, max_batches=eval_batches)
+    m = {"steps": trainer.last_step(run_dir), **m}
+    logger.info("held-out (teacher-forced, %d batches): %s", eval_batches,
+                {k: round(v, 4) for k, v in m.items()})
+    with open(os.path.join(run_dir, "held_out.json"), "w") as f:
+        json.dump(m, f, indent=2)
+    if export:
+        export_head(params, cfg, target.config, export)
+        logger.info("exported the drafter to %s", export)
+    return m
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="run directory (features, states, log)")
@@ -138,7 +169,6 @@ def main(argv=None):
     cfg = drafter_config(target.config, layers=args.layers, block_size=args.block_size,
                          mask_token_id=args.mask_token_id, target_layer_ids=ids)
     cfg.check_target(target.config)
-    gamma = args.gamma if args.gamma is not None else (7.0 if cfg.block_size >= 16 else 4.0)
     work = args.features or os.path.join(args.out, "work")
     logger.info("features (%d train shards + held-out) under %s", args.shards, work)
     train, held = pipeline.prepare_broad(target, args.corpus, args.held_out_corpus, work,
@@ -147,22 +177,9 @@ def main(argv=None):
     tc = trainer.TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                              lr=args.lr, warmup=min(50, args.steps // 10), seed=args.seed,
                              save_every=args.save_every, log_every=10)
-    loss = lambda *a: dflash_loss(*a, cfg=cfg, target_cfg=target.config,
-                                  anchors=args.anchors, gamma=gamma, seed=args.seed)
-    params = dflash.init_params(cfg, jax.random.key(args.seed))
-    sig = {"kind": "dflash", "config": dataclasses.asdict(cfg), "shards": args.shards,
-           "anchors": args.anchors, "gamma": gamma, "model": args.model}
-    params = trainer.fit(loss, params, target.params, train, tc, args.out,
-                         describe=f"dflash B={cfg.block_size} L={cfg.num_layers}", signature=sig)
-    m = trainer.evaluate(loss, params, target.params, held, batch_size=args.batch_size,
-                         seq_len=args.seq_len, max_batches=args.eval_batches)
-    logger.info("held-out (teacher-forced, %d batches): %s", args.eval_batches,
-                {k: round(v, 4) for k, v in m.items()})
-    with open(os.path.join(args.out, "held_out.json"), "w") as f:
-        json.dump({"steps": args.steps, **m}, f, indent=2)
-    if args.export:
-        export_head(params, cfg, target.config, args.export)
-        logger.info("exported the drafter to %s", args.export)
+    train_drafter(target, cfg, train, held, tc, args.out, anchors=args.anchors, gamma=args.gamma,
+                  eval_batches=args.eval_batches, export=args.export,
+                  signature={"shards": args.shards, "model": args.model})
     return 0
 
 

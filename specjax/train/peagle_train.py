@@ -122,6 +122,45 @@ def start_head(target, init_from: str | None, mask_token_id: int, depths: int, s
     return peagle.from_eagle3(start, mask_token_id, depths, jax.random.fold_in(key, 7))
 
 
+def train_head(target, head: peagle.PEagleHead, train, held, tc: trainer.TrainConfig,
+               run_dir: str, *, anchors: int = 16, gamma: float = 4.0, eval_batches: int = 16,
+               export: str | None = None, signature: dict | None = None,
+               deadline: float | None = None) -> dict:
+    """Trains (or resumes) the P-EAGLE ``head`` (its starting point: ``start_head``) on the
+    EAGLE-3 feature sets ``train`` / ``held`` (default aux layers) in ``run_dir``; writes
+    ``held_out.json`` there and, with ``export``, the head in speculators' layout.
+    ``deadline``: ``trainer.fit``'s. Returns the held-out metrics with ``steps`` (those run)."""
+    cfg = head.config
+    stored = default_aux_layers(target.config.num_layers)
+    trainer.feature_blocks(cfg.head, target.config.num_layers, stored)  # ValueError early
+    vocab = head.params.get("draft_vocab")
+    params = {k: v for k, v in head.params.items() if k != "draft_vocab"}
+
+    def loss(p, *a):
+        p = p if vocab is None else dict(p, draft_vocab=vocab)
+        return peagle_loss(p, *a, cfg=cfg, target_cfg=target.config, anchors=anchors,
+                           gamma=gamma, seed=tc.seed, stored_layers=stored)
+
+    sig = {"kind": "peagle", "head": cfg.head.to_dict(), "mask_token_id": cfg.mask_token_id,
+           "depths": cfg.num_depths, "anchors": anchors, "gamma": gamma, **(signature or {})}
+    params = trainer.fit(loss, params, target.params, train, tc, run_dir,
+                         describe=f"peagle K={cfg.num_depths}", signature=sig, deadline=deadline)
+    m = trainer.evaluate(loss, params, target.params, held, batch_size=tc.batch_size,
+                         seq_len=tc.seq_len, max_batches=eval_batches)
+    m = {"steps": trainer.last_step(run_dir), **m}
+    logger.info("held-out (teacher-forced, %d batches): %s", eval_batches,
+                {k: round(v, 4) for k, v in m.items()})
+    with open(os.path.join(run_dir, "held_out.json"), "w") as f:
+        json.dump(m, f, indent=2)
+    if export:
+        from specjax.io import peagle_io
+        trained = peagle.PEagleHead(params if vocab is None else dict(params, draft_vocab=vocab),
+                                    cfg)
+        peagle_io.save_peagle(trained, export)
+        logger.info("exported the head to %s", export)
+    return m
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="run directory (features, states, log)")
@@ -162,32 +201,10 @@ def main(argv=None):
     tc = trainer.TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                              lr=args.lr, warmup=min(50, args.steps // 10), seed=args.seed,
                              save_every=args.save_every, log_every=10)
-    vocab = head.params.get("draft_vocab")
-    params = {k: v for k, v in head.params.items() if k != "draft_vocab"}
-
-    def loss(p, *a):
-        p = p if vocab is None else dict(p, draft_vocab=vocab)
-        return peagle_loss(p, *a, cfg=cfg, target_cfg=target.config, anchors=args.anchors,
-                           gamma=args.gamma, seed=args.seed, stored_layers=stored)
-
-    sig = {"kind": "peagle", "head": cfg.head.to_dict(), "mask_token_id": cfg.mask_token_id,
-           "depths": cfg.num_depths, "shards": args.shards, "anchors": args.anchors,
-           "gamma": args.gamma, "model": args.model,
-           "init_from": None if args.init_from is None else os.path.abspath(args.init_from)}
-    params = trainer.fit(loss, params, target.params, train, tc, args.out,
-                         describe=f"peagle K={cfg.num_depths}", signature=sig)
-    m = trainer.evaluate(loss, params, target.params, held, batch_size=args.batch_size,
-                         seq_len=args.seq_len, max_batches=args.eval_batches)
-    logger.info("held-out (teacher-forced, %d batches): %s", args.eval_batches,
-                {k: round(v, 4) for k, v in m.items()})
-    with open(os.path.join(args.out, "held_out.json"), "w") as f:
-        json.dump({"steps": args.steps, **m}, f, indent=2)
-    if args.export:
-        from specjax.io import peagle_io
-        trained = peagle.PEagleHead(params if vocab is None else dict(params, draft_vocab=vocab),
-                                    cfg)
-        peagle_io.save_peagle(trained, args.export)
-        logger.info("exported the head to %s", args.export)
+    train_head(target, head, train, held, tc, args.out, anchors=args.anchors, gamma=args.gamma,
+               eval_batches=args.eval_batches, export=args.export,
+               signature={"shards": args.shards, "model": args.model, "init_from": None
+                          if args.init_from is None else os.path.abspath(args.init_from)})
     return 0
 
 

@@ -299,13 +299,15 @@ def _check_resume(run_dir: str, tc: TrainConfig, signature: dict | None):
 
 
 def fit(loss_fn, trainable, frozen, data, tc: TrainConfig, run_dir: str, describe: str = "",
-        signature: dict | None = None, progress: bool = True):
+        signature: dict | None = None, progress: bool = True, deadline: float | None = None):
     """Generic resumable optax loop.
 
     loss_fn(trainable, frozen, tokens, lengths, hidden, prompt_lens) -> (loss, metrics). ``frozen``
     (the target's params) is a jit argument, never a closure constant (XLA would fold 100+ MB of
     it). Resuming checks that ``tc`` (all but steps / save_every / log_every) and ``signature``
     match the run in ``run_dir``. ``progress``: a tqdm bar (rate, ETA, latest metrics) on stderr.
+    ``deadline`` (a ``time.perf_counter()`` value): no step starts after it; the state is saved
+    where the run stopped (rerun to go on; the schedule is still the one of ``tc.steps``).
     """
     os.makedirs(run_dir, exist_ok=True)
     _check_resume(run_dir, tc, signature)
@@ -340,11 +342,26 @@ def fit(loss_fn, trainable, frozen, data, tc: TrainConfig, run_dir: str, describ
             log.flush()
         if (step + 1) % tc.save_every == 0:
             _save_state(run_dir, (trainable, opt_state), step + 1)
+        if deadline is not None and time.perf_counter() >= deadline and step + 1 < tc.steps:
+            logger.info("%s: deadline reached after step %d of %d", run_dir, step + 1, tc.steps)
+            if (step + 1) % tc.save_every:
+                _save_state(run_dir, (trainable, opt_state), step + 1)
+            break
+    else:
+        if tc.steps > start and tc.steps % tc.save_every:  # the last steps since a periodic save
+            _save_state(run_dir, (trainable, opt_state), tc.steps)
     bar.close()
     log.close()
-    if tc.steps > start and tc.steps % tc.save_every:  # the last steps since a periodic save
-        _save_state(run_dir, (trainable, opt_state), tc.steps)
     return trainable
+
+
+def last_step(run_dir: str) -> int:
+    """The step of the newest saved state in ``run_dir`` (0 when none)."""
+    if not os.path.isdir(os.path.join(run_dir, STATES)):
+        return 0
+    with _manager(run_dir, create=False) as mngr:
+        step = mngr.latest_step()
+    return 0 if step is None else int(step)
 
 
 def evaluate(loss_fn, trainable, frozen, data, batch_size=8, seq_len=256, max_batches=None):
