@@ -156,7 +156,7 @@ def train_head(target, head: peagle.PEagleHead, train, held, tc: trainer.TrainCo
         from specjax.io import peagle_io
         trained = peagle.PEagleHead(params if vocab is None else dict(params, draft_vocab=vocab),
                                     cfg)
-        peagle_io.save_peagle(trained, export)
+        peagle_io.save_peagle(trained, export, dtype="float16")
         logger.info("exported the head to %s", export)
     return m
 
