@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -123,13 +122,7 @@ def train_drafter(target, cfg: dflash.DFlashConfig, train, held, tc: trainer.Tra
     params = trainer.fit(loss, params, target.params, train, tc, run_dir,
                          describe=f"dflash B={cfg.block_size} L={cfg.num_layers}", signature=sig,
                          deadline=deadline)
-    m = trainer.evaluate(loss, params, target.params, held, batch_size=tc.batch_size,
-                         seq_len=tc.seq_len, max_batches=eval_batches)
-    m = {"steps": trainer.last_step(run_dir), **m}
-    logger.info("held-out (teacher-forced, %d batches): %s", eval_batches,
-                {k: round(v, 4) for k, v in m.items()})
-    with open(os.path.join(run_dir, "held_out.json"), "w") as f:
-        json.dump(m, f, indent=2)
+    m = trainer.held_out_report(loss, params, target.params, held, tc, run_dir, eval_batches)
     if export:
         export_head(params, cfg, target.config, export)
         logger.info("exported the drafter to %s", export)

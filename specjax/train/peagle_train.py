@@ -23,7 +23,6 @@ lm_head / draft vocabulary from it (mask_hidden starts at N(0, 1)).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -145,13 +144,7 @@ def train_head(target, head: peagle.PEagleHead, train, held, tc: trainer.TrainCo
            "depths": cfg.num_depths, "anchors": anchors, "gamma": gamma, **(signature or {})}
     params = trainer.fit(loss, params, target.params, train, tc, run_dir,
                          describe=f"peagle K={cfg.num_depths}", signature=sig, deadline=deadline)
-    m = trainer.evaluate(loss, params, target.params, held, batch_size=tc.batch_size,
-                         seq_len=tc.seq_len, max_batches=eval_batches)
-    m = {"steps": trainer.last_step(run_dir), **m}
-    logger.info("held-out (teacher-forced, %d batches): %s", eval_batches,
-                {k: round(v, 4) for k, v in m.items()})
-    with open(os.path.join(run_dir, "held_out.json"), "w") as f:
-        json.dump(m, f, indent=2)
+    m = trainer.held_out_report(loss, params, target.params, held, tc, run_dir, eval_batches)
     if export:
         from specjax.io import peagle_io
         trained = peagle.PEagleHead(params if vocab is None else dict(params, draft_vocab=vocab),

@@ -355,6 +355,20 @@ def fit(loss_fn, trainable, frozen, data, tc: TrainConfig, run_dir: str, describ
     return trainable
 
 
+def held_out_report(loss_fn, trainable, frozen, held, tc: TrainConfig, run_dir: str,
+                    max_batches: int) -> dict:
+    """``evaluate`` on the held-out set plus ``steps`` (the newest saved state's), logged and
+    written to ``run_dir/held_out.json``; returns it."""
+    m = evaluate(loss_fn, trainable, frozen, held, batch_size=tc.batch_size, seq_len=tc.seq_len,
+                 max_batches=max_batches)
+    m = {"steps": last_step(run_dir), **m}
+    logger.info("held-out (teacher-forced, %d batches): %s", max_batches,
+                {k: round(v, 4) for k, v in m.items()})
+    with open(os.path.join(run_dir, "held_out.json"), "w") as f:
+        json.dump(m, f, indent=2)
+    return m
+
+
 def last_step(run_dir: str) -> int:
     """The step of the newest saved state in ``run_dir`` (0 when none)."""
     if not os.path.isdir(os.path.join(run_dir, STATES)):
