@@ -6,7 +6,7 @@ Wikipedia intros with BOS, ``--prompt-tokens`` each). Sides (``--sides``, comma-
 
 * ``quantized``: ``sj.load_model(..., weights="quantized")``, the native kernel streams the
   file's blocks (SmolLM2 ~96 MB a token, Gemma ~260 MB);
-* ``int8``: ``activations="int8"``, the Q4_0 / Q4_1 / Q8_0 blocks times 8-bit inputs with
+* ``int8``: ``activations="int8"``, the Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K blocks times 8-bit inputs with
   integer dots (llama.cpp's arithmetic; greedy text may differ from the other sides');
 * ``float32``: ``weights="float32"``, the native kernel on float32 panels (~4-7x the bytes);
 * ``xla``: ``SPECJAX_NATIVE=0`` (XLA's dots over the float32 weights), in a worker process of

@@ -55,7 +55,7 @@ def load_model(path: str, dtype=jnp.float32, mesh=None, weights: str = "quantize
       weights: "quantized" (a GGUF's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks stream through the
         native CPU kernel, same values) or "float32" (every product over the dequantized float32 weights).
       activations: "float32" (exact: each weight dequantized to gguf's float32 value, float
-        products) or "int8" (with ``weights="quantized"``: the Q4_0 / Q4_1 / Q8_0 weights
+        products) or "int8" (with ``weights="quantized"``: the Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K weights
         multiply inputs quantized to 8 bits per 32 values with integer dot products, as
         llama.cpp does: faster on CPU, logits within ~1e-3 relative, greedy text may differ
         from the exact path; specjax.native_q8).

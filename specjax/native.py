@@ -259,7 +259,7 @@ class Q8Weight:
 
     Fields:
       w: [K, N] the canonical float32 weight (XLA's dot, for more than MAX_ROWS rows).
-      q8: [N, K / 32 * bytes] uint8, row n = column n of ``w``.
+      q8: [N, K / per * bytes] uint8 (per = 32, or 256 for the K-quants), row n = column n of ``w``.
       qtype: static GGUF block type (a key of ``native_q8.Q8TARGETS``).
       parts: static output widths of the weights fused into this one, or (N,).
     """
@@ -302,7 +302,7 @@ def attach_gguf(model, path, activations: str = "float32") -> None:
     """Marks ``model`` (loaded from the GGUF file ``path``) to run on the file's own quantized
     blocks: ``inference_params`` then builds QuantWeights for the linear weights whose type the
     kernel streams (float32 panels for the rest). Read lazily, when the kernel is available.
-    ``activations="int8"``: Q4_0 / Q4_1 / Q8_0 weights run as ``native_q8.Q8Weight``s
+    ``activations="int8"``: Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K weights run as ``native_q8.Q8Weight``s
     (8-bit activations, integer dots: llama.cpp's arithmetic, not the float32 path's)."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")

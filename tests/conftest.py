@@ -10,8 +10,12 @@ FAST_XLA = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=fal
 os.environ.setdefault("XLA_FLAGS", f"--xla_cpu_multi_thread_eigen=true {FAST_XLA}")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from gguf import GGMLQuantizationType  # noqa: E402
+from gguf.quants import dequantize  # noqa: E402
 
+from specjax import native  # noqa: E402
 from specjax.config import ModelConfig  # noqa: E402
 from specjax.model import Model, init_params  # noqa: E402
 
@@ -108,6 +112,22 @@ def random_head(target, kind="eagle", seed=3, scale=0.3):
 
     cfg = HeadConfig.for_target(target.config, kind)
     return Head(init_head(cfg, jax.random.key(seed), scale=scale), cfg)
+
+
+def random_kquant_blocks(qtype, n, k, seed):
+    """Random K-quant super-blocks [n, k / 256 * bytes] (every scale / min / quant byte
+    random, the fp16 d / dmin random finite values, row 0 all zeros) and gguf's dequantization
+    of them as the [k, n] weight."""
+    rng = np.random.default_rng(seed)
+    nbytes = native.QTARGETS[qtype][2]
+    q = rng.integers(0, 256, (n, k // 256, nbytes), dtype=np.uint8)
+    halves = rng.standard_normal((n, k // 256, 2)) * np.array([1e-2, 1e-3])
+    halves[0] = 0.0
+    offs = (0, 2) if qtype == "Q4_K" else (208,)
+    for i, off in enumerate(offs):
+        q[..., off:off + 2] = halves[..., i:i + 1].astype(np.float16).view(np.uint8)
+    q = q.reshape(n, -1)
+    return q, dequantize(q, GGMLQuantizationType[qtype]).astype(np.float32).T
 
 
 @pytest.fixture(scope="session")

@@ -18,16 +18,20 @@ from gguf.quants import dequantize, quantize
 
 import specjax as sj
 from specjax import api, native, native_q8
+from tests.conftest import random_kquant_blocks
 
 pytestmark = pytest.mark.skipif(not native.available(),
                                 reason="native kernel not built (no C++ compiler or not CPU)")
 
 QTYPES = list(native_q8.Q8TARGETS)
+KQUANTS = ("Q4_K", "Q6_K")  # 256-weight super-blocks (gguf's python package cannot quantize them)
 
 
 def _blocks(qtype, n, k, seed):
-    """Random GGUF blocks [n, k / 32 * bytes] of ``qtype`` from gguf's own quantizer (row 0 all
-    zeros: scale 0)."""
+    """Random GGUF blocks [n, k / per * bytes] of ``qtype``: gguf's own quantizer (row 0 all
+    zeros: scale 0), random super-blocks for the K-quants."""
+    if qtype in KQUANTS:
+        return random_kquant_blocks(qtype, n, k, seed)[0]
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     w[0] = 0.0
     return quantize(w, GGMLQuantizationType[qtype])
@@ -38,12 +42,15 @@ def _kernel(x, q, qtype):
                                           qtype))
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("m,k,n", [(1, 32, 1), (1, 576, 197), (3, 96, 33), (8, 160, 7),
-                                   (9, 1536, 31), (23, 64, 2)])
+SHAPES = [(1, 32, 1), (1, 576, 197), (3, 96, 33), (8, 160, 7), (9, 1536, 31), (23, 64, 2)]
+KSHAPES = [(1, 256, 1), (1, 512, 197), (3, 768, 33), (8, 1024, 7), (9, 2048, 31), (23, 256, 2)]
+
+
+@pytest.mark.parametrize("qtype,m,k,n", [(q, *s) for q in QTYPES
+                                         for s in (KSHAPES if q in KQUANTS else SHAPES)])
 def test_kernel_equals_reference_twin(qtype, m, k, n):
-    """Groups of 4 blocks with tails of 1..3 blocks (k = 32, 96, 160), row groups of 8 with
-    tails, odd output counts; an all-zero input block and large inputs."""
+    """Groups of 4 blocks with tails of 1..3 blocks (k = 32, 96, 160), 1..8 super-blocks, row
+    groups of 8 with tails, odd output counts; an all-zero input block and large inputs."""
     q = _blocks(qtype, n, k, seed=m * 1000 + k + n)
     x = np.random.default_rng(k).standard_normal((m, k)).astype(np.float32) * 3
     x[0, :32] = 0.0
@@ -55,10 +62,23 @@ def test_kernel_equals_reference_twin(qtype, m, k, n):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
+def test_twin_reads_the_weights_gguf_reads(qtype):
+    """The twin's integer weights and scales (written from the published block formats) give
+    gguf's dequantized values bit for bit: ``scale * w - mins`` in float32."""
+    q = _blocks(qtype, 7, 768, seed=11)
+    w, scale, mins = native_q8.integer_weights(q, qtype)
+    sub = 768 // scale.shape[1]
+    deq = np.repeat(scale.astype(np.float32), sub, axis=1) * w.astype(np.float32)
+    if mins is not None:
+        deq = deq - np.repeat(mins.astype(np.float32), 32, axis=1)
+    assert np.array_equal(deq, dequantize(q, GGMLQuantizationType[qtype]).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
 def test_activation_rounding_is_what_it_claims(qtype):
     """Close to the exact product (within the rounding of 8-bit inputs: half a level of each
     block's max per value), but not equal to it: the test can tell the two arithmetics apart."""
-    k, n = 576, 64
+    k, n = 768, 64
     q = _blocks(qtype, n, k, seed=3)
     x = np.random.default_rng(4).standard_normal((2, k)).astype(np.float32)
     w = native.dequantize_reference(q, qtype)
@@ -82,8 +102,8 @@ def test_input_quantization_is_gguf_q8_0():
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_rows_do_not_depend_on_each_other(qtype):
     """Decode (1 row) and verify (k + 1 rows) give a row bit-identical results."""
-    q = _blocks(qtype, 45, 576, seed=6)
-    x = np.random.default_rng(7).standard_normal((12, 576)).astype(np.float32)
+    q = _blocks(qtype, 45, 768, seed=6)
+    x = np.random.default_rng(7).standard_normal((12, 768)).astype(np.float32)
     full = _kernel(x, q, qtype)
     for i in (0, 5, 8, 11):
         assert np.array_equal(_kernel(x[i:i + 1], q, qtype)[0], full[i])
@@ -92,20 +112,25 @@ def test_rows_do_not_depend_on_each_other(qtype):
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_layout_keeps_the_bytes(qtype):
-    q = _blocks(qtype, 5, 96, seed=8)
+    k = 768
+    q = _blocks(qtype, 5, k, seed=8)
     lay = native_q8.q8_layout(q, qtype)
     assert lay.shape == q.shape and lay.dtype == np.uint8
-    assert sorted(lay.ravel().tolist()) == sorted(q.ravel().tolist())
-    nb = native_q8.Q8TARGETS[qtype][2]
-    head = 4 if qtype == "Q4_1" else 2
-    blocks = q.reshape(5, 3, nb)
-    assert np.array_equal(lay[:, :3 * (nb - head)], blocks[..., head:].reshape(5, -1))
-    assert np.array_equal(lay[:, 3 * (nb - head):3 * (nb - head) + 6], blocks[..., :2].reshape(5, -1))
+    if qtype in KQUANTS:  # the super-blocks as they are
+        assert np.array_equal(lay, q)
+        return
+    nb, nblk = native_q8.Q8TARGETS[qtype][2], k // 32
+    head = {"Q4_1": 4, "Q5_0": 6}.get(qtype, 2)
+    blocks = q.reshape(5, nblk, nb)
+    parts = [blocks[..., head:], blocks[..., :2]] + ([blocks[..., 2:head]] if head > 2 else [])
+    assert np.array_equal(lay, np.concatenate([p.reshape(5, -1) for p in parts], axis=1))
 
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="qtype"):
-        native_q8.q8_layout(np.zeros((2, 18), np.uint8), "Q4_K")
+        native_q8.q8_layout(np.zeros((2, 84), np.uint8), "Q2_K")
+    with pytest.raises(ValueError, match=r"K % 256"):
+        native_q8.q8_matmul(jnp.zeros((1, 128)), jnp.zeros((3, 72), jnp.uint8), "Q4_K")
     with pytest.raises(ValueError, match=r"q8 \[N"):
         native_q8.q8_matmul(jnp.zeros((1, 64)), jnp.zeros((3, 18), jnp.uint8), "Q4_0")
     with pytest.raises(TypeError, match="float32"):
@@ -191,9 +216,17 @@ from gguf.quants import quantize
 from specjax import native, native_q8
 assert native.available()
 rng = np.random.default_rng(0)
+def blocks(qtype, n, k):
+    if qtype in ("Q4_K", "Q6_K"):  # random super-blocks, finite f16 scales
+        nb = native_q8.Q8TARGETS[qtype][2]
+        q = rng.integers(0, 256, (n, k // 256, nb), dtype=np.uint8)
+        for off in ((0, 2) if qtype == "Q4_K" else (208,)):
+            q[..., off:off + 2] = (rng.standard_normal((n, k // 256, 1)) * 1e-2).astype(np.float16).view(np.uint8)
+        return q.reshape(n, -1)
+    return quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[qtype])
 for qtype in native_q8.Q8TARGETS:
-    for m, k, n in ((1, 96, 5), (9, 576, 33)):
-        q = quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[qtype])
+    for m, k, n in ((1, 256, 5), (9, 768, 33)) if qtype in ("Q4_K", "Q6_K") else ((1, 96, 5), (9, 576, 33)):
+        q = blocks(qtype, n, k)
         x = rng.standard_normal((m, k)).astype(np.float32)
         got = np.asarray(native_q8.q8_matmul(jnp.asarray(x), jnp.asarray(native_q8.q8_layout(q, qtype)), qtype))
         ref = native_q8.q8_matmul_reference(x, q, qtype)

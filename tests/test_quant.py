@@ -18,6 +18,7 @@ from gguf.quants import dequantize, quantize
 import specjax as sj
 from specjax import api, native
 from specjax.io import gguf as gguf_io
+from tests.conftest import random_kquant_blocks
 
 pytestmark = pytest.mark.skipif(not native.available(),
                                 reason="native kernel not built (no C++ compiler or not CPU)")
@@ -42,26 +43,10 @@ def _blocks(qtype, n, k, seed):
     return q, dequantize(q, GGMLQuantizationType[qtype]).astype(np.float32).T
 
 
-def _kquant_blocks(qtype, n, k, seed):
-    """Random K-quant super-blocks [n, k / 256 * bytes] (every scale / min / quant byte
-    random, the fp16 d / dmin random finite values, row 0 all zeros) and gguf's dequantization
-    of them as the [k, n] weight."""
-    rng = np.random.default_rng(seed)
-    nbytes = native.QTARGETS[qtype][2]
-    q = rng.integers(0, 256, (n, k // 256, nbytes), dtype=np.uint8)
-    halves = rng.standard_normal((n, k // 256, 2)) * np.array([1e-2, 1e-3])
-    halves[0] = 0.0
-    offs = (0, 2) if qtype == "Q4_K" else (208,)
-    for i, off in enumerate(offs):
-        q[..., off:off + 2] = halves[..., i:i + 1].astype(np.float16).view(np.uint8)
-    q = q.reshape(n, -1)
-    return q, dequantize(q, GGMLQuantizationType[qtype]).astype(np.float32).T
-
-
 @pytest.mark.parametrize("qtype", QTYPES + KQUANTS)
 def test_reference_twin_equals_gguf(qtype):
     """The plain-numpy twin (llama.cpp's loops) dequantizes exactly as gguf does."""
-    make = _kquant_blocks if qtype in KQUANTS else _blocks
+    make = random_kquant_blocks if qtype in KQUANTS else _blocks
     for n, k in [(1, 256), (13, 768)]:
         q, w = make(qtype, n, k, seed=n)
         assert np.array_equal(native.dequantize_reference(q, qtype), w)
@@ -70,7 +55,7 @@ def test_reference_twin_equals_gguf(qtype):
 @pytest.mark.parametrize("qtype", KQUANTS)
 @pytest.mark.parametrize("k,n", [(256, 1), (512, 3), (768, 33), (1024, 17)])
 def test_kquant_kernel_dequantizes_exactly_like_gguf(qtype, k, n):
-    q, w = _kquant_blocks(qtype, n, k, seed=k + n)
+    q, w = random_kquant_blocks(qtype, n, k, seed=k + n)
     got = np.asarray(native.quant_matmul(jnp.eye(k, dtype=jnp.float32), jnp.asarray(q), qtype))
     assert np.array_equal(got, w)  # bit for bit (x = I reads every weight back)
 
@@ -79,7 +64,7 @@ def test_kquant_kernel_dequantizes_exactly_like_gguf(qtype, k, n):
 @pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 23, native.MAX_ROWS])
 @pytest.mark.parametrize("k,n", [(256, 31), (768, 197)])
 def test_kquant_matmul_matches_float32(qtype, m, k, n):
-    q, w = _kquant_blocks(qtype, n, k, seed=3 * m + n)
+    q, w = random_kquant_blocks(qtype, n, k, seed=3 * m + n)
     x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.float32)
     got = jax.jit(native.quant_matmul, static_argnums=2)(x, jnp.asarray(q), qtype)
     _assert_close(got, x, w)
@@ -88,7 +73,7 @@ def test_kquant_matmul_matches_float32(qtype, m, k, n):
     assert np.array_equal(np.asarray(full[:m]), np.asarray(got))
 
 
-def test_real_kquant_blocks_of_the_gemma_gguf():
+def test_realrandom_kquant_blocks_of_the_gemma_gguf():
     """Q4_K / Q6_K / Q5_0 matrices of the Gemma 3 270M GGUF, read by the kernel, equal gguf's
     dequantization bit for bit."""
     try:

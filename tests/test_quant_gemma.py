@@ -72,21 +72,52 @@ def test_greedy_outputs_equal_float32_path(models, tok):
         np.testing.assert_array_equal(lg[len(ids) - 1:-1].argmax(-1), a)
 
 
-def test_perplexity_through_the_kernel_equals_float32(models, tok):
-    """Teacher-forced 128-token windows (every product in the kernel: M <= MAX_ROWS) give the
-    XLA float32 path's perplexity."""
+def _perplexity(params, cfg, tok) -> float:
+    """Teacher-forced perplexity over 128-token windows of 6 held-out intros (every product in
+    the kernel: M <= MAX_ROWS)."""
     from specjax.train.corpora import wiki_entries
 
-    quant, f32 = models
-    nll, count = {"q": 0.0, "f": 0.0}, 0
+    nll, count = 0.0, 0
     for e in wiki_entries("held_out")[:6]:
         ids = tok.encode(e["extract"], add_special_tokens=True)[:native.MAX_ROWS]
         padded = jnp.asarray(np.array([ids + [0] * (native.MAX_ROWS - len(ids))], np.int32))
-        n = jnp.asarray(len(ids), jnp.int32)
-        for key, params in (("q", native.inference_params(quant)), ("f", f32.params)):
-            logp = np.asarray(api._logits_jit(params, quant.config, padded, n))[:len(ids)]
-            logp = logp - np.logaddexp.reduce(logp, axis=-1, keepdims=True)
-            nll[key] -= logp[np.arange(len(ids) - 1), ids[1:]].sum()
+        logp = np.asarray(api._logits_jit(params, cfg, padded, jnp.asarray(len(ids), jnp.int32)))
+        logp = logp[:len(ids)] - np.logaddexp.reduce(logp[:len(ids)], axis=-1, keepdims=True)
+        nll -= logp[np.arange(len(ids) - 1), ids[1:]].sum()
         count += len(ids) - 1
-    ppl_q, ppl_f = math.exp(nll["q"] / count), math.exp(nll["f"] / count)
+    return math.exp(nll / count)
+
+
+def test_perplexity_through_the_kernel_equals_float32(models, tok):
+    """The kernel's perplexity is the XLA float32 path's."""
+    quant, f32 = models
+    ppl_q = _perplexity(native.inference_params(quant), quant.config, tok)
+    ppl_f = _perplexity(f32.params, quant.config, tok)
     assert ppl_q == pytest.approx(ppl_f, rel=1e-4), (ppl_q, ppl_f)
+
+
+def test_int8_activations_cover_every_block_type(models, tok):
+    """``activations="int8"`` runs all four of the file's block types (Q5_0, Q8_0, Q4_K, Q6_K)
+    as integer dots: perplexity within 1% of the exact path's (and not equal to it), and n-gram
+    speculation reproduces greedy plain decoding of the same int8 model token for token."""
+    quant, _ = models
+    q8 = sj.load_model("gemma3-270m", activations="int8")
+    packed = native.inference_params(q8)
+    weights = [w for lp in packed["layers"] for w in lp.values()
+               if isinstance(w, (native.QuantWeight, native.Q8Weight, native.PackedWeight))]
+    assert all(isinstance(w, native.Q8Weight) for w in weights)
+    assert {w.qtype for w in weights} == {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}
+    assert isinstance(packed["lm_head_packed"], native.Q8Weight)
+    ppl_e = _perplexity(native.inference_params(quant), quant.config, tok)
+    ppl_q = _perplexity(packed, q8.config, tok)
+    print(f"perplexity exact {ppl_e:.3f} int8 activations {ppl_q:.3f}")
+    assert ppl_q == pytest.approx(ppl_e, rel=0.01) and ppl_q != ppl_e
+    accepted = 0
+    for text in ["The cat sat on the mat. The cat sat on the mat. The cat", "def fibonacci(n):"]:
+        ids = tok.encode(text, add_special_tokens=True)
+        plain = sj.generate(q8, [ids], max_new_tokens=24, eos_token_id=[]).tokens[0]
+        ng = sj.generate(q8, [ids], max_new_tokens=24, method="ngram", num_draft_tokens=3,
+                         eos_token_id=[])
+        assert ng.tokens[0] == plain, text
+        accepted += ng.stats["accepted_tokens"]
+    assert accepted > 0

@@ -99,7 +99,7 @@ def add_model_flags(p) -> None:
                         "specjax checkpoint (default: %(default)s)")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: same as --model)")
     p.add_argument("--activations", default="float32", choices=("float32", "int8"),
-                   help="GGUF targets on CPU: 'int8' multiplies the file's Q4_0/Q4_1/Q8_0 blocks "
+                   help="GGUF targets on CPU: 'int8' multiplies the file's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks "
                         "with 8-bit inputs and integer dots (llama.cpp's arithmetic: faster, "
                         "logits within ~1e-3, text may differ from the exact 'float32' path; "
                         "default: %(default)s)")
