@@ -168,52 +168,19 @@ def quant_matmul(x, q, qtype: str):
 
 
 def dequantize_reference(q, qtype: str) -> np.ndarray:
-    """GGUF blocks ``q`` [N, K / block * bytes] uint8 -> the float32 weight [K, N], in plain
-    numpy after llama.cpp's ``dequantize_row_*`` loops (ggml-quants.c), float32 throughout in
-    the kernel's operation order; the kernel's twin (it must equal ``gguf.quants.dequantize``)."""
+    """GGUF blocks ``q`` [N, K / block * bytes] uint8 -> the float32 weight [K, N] in plain
+    numpy: the integer weights and sub-block scales read from the published formats
+    (``io.gguf.integer_weights``), then ``scale * w`` (``- dmin * m`` / ``+ m``) in float32,
+    gguf's operation order; the kernel's twin (it must equal ``gguf.quants.dequantize``)."""
     if qtype not in QTARGETS:
         raise ValueError(f"dequantize_reference: qtype must be one of {sorted(QTARGETS)}, "
                          f"got {qtype!r}")
-    _, _, nbytes, block = QTARGETS[qtype]
-    q = np.asarray(q, np.uint8)
-    n = q.shape[0]
-    b = q.reshape(n, -1, nbytes)  # [N, blocks, bytes]
-    half = lambda lo: b[..., lo:lo + 2].copy().view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
-    f32 = lambda a: a.astype(np.float32)  # noqa: E731
-    if qtype in ("Q4_0", "Q4_1", "Q5_0"):
-        off = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6}[qtype]
-        qs = b[..., off:off + 16].astype(np.int32)
-        v = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [N, blocks, 32]
-        if qtype == "Q5_0":
-            bits = b[..., 2:6].copy().view("<u4").astype(np.int64)  # [N, blocks, 1]
-            v = v | (((bits >> np.arange(32)) & 1) << 4).astype(np.int32)
-        d = half(0)[..., None]
-        if qtype == "Q4_1":
-            w = d * f32(v) + half(2)[..., None]
-        else:
-            w = d * f32(v - (16 if qtype == "Q5_0" else 8))
-    elif qtype == "Q8_0":
-        w = f32(b[..., 2:34].view(np.int8)) * half(0)[..., None]
-    elif qtype == "Q4_K":
-        sc8 = b[..., 4:16].astype(np.int32)
-        a, m, top = sc8[..., 0:4], sc8[..., 4:8], sc8[..., 8:12]  # get_scale_min_k4
-        sc = np.concatenate([a & 63, (top & 15) | ((a >> 6) << 4)], axis=-1)  # [N, blocks, 8]
-        mn = np.concatenate([m & 63, (top >> 4) | ((m >> 6) << 4)], axis=-1)
-        qs = b[..., 16:144].reshape(n, -1, 4, 32).astype(np.int32)  # 4 x 32 bytes
-        v = np.stack([qs & 15, qs >> 4], axis=-2).reshape(n, -1, 8, 32)  # sub-block 2i + s
-        dl = (half(0)[..., None] * f32(sc))[..., None]
-        ml = (half(2)[..., None] * f32(mn))[..., None]
-        w = dl * f32(v) - ml
-    else:  # Q6_K: weight 128 h + 32 t + l
-        ql = b[..., 0:128].reshape(n, -1, 2, 2, 32).astype(np.int32)  # [h, t & 1, l]
-        qh = b[..., 128:192].reshape(n, -1, 2, 1, 32).astype(np.int32)  # [h, l]
-        t = np.arange(4)
-        low = (ql[..., t & 1, :] >> (4 * (t >> 1))[:, None]) & 15  # [N, blocks, h, t, l]
-        high = (qh >> (2 * t)[:, None]) & 3
-        v = (low | (high << 4)) - 32
-        sc = f32(b[..., 192:208].view(np.int8)).reshape(n, -1, 2, 4, 2, 1)  # scale e // 16
-        w = (half(208)[..., None, None, None, None] * sc) * f32(v).reshape(n, -1, 2, 4, 2, 16)
-    return np.ascontiguousarray(w.reshape(n, -1).astype(np.float32).T)
+    w, scale, mins = gguf.integer_weights(np.asarray(q, np.uint8), qtype)
+    out = np.repeat(scale.astype(np.float32), w.shape[1] // scale.shape[1], axis=1) \
+        * w.astype(np.float32)
+    if mins is not None:
+        out = out - np.repeat(mins.astype(np.float32), 32, axis=1)
+    return np.ascontiguousarray(out.T)
 
 
 def quant_matmul_reference(x, q, qtype: str):
