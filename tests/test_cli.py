@@ -356,3 +356,27 @@ def test_demo_with_its_defaults():
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("outputs identical to plain decoding: True") == 2
     assert "draft checkpoints/" in res.stdout and "speedup" in res.stdout
+
+
+def test_base_model_without_chat_template_runs_raw_prompts(tiny_dirs, tmp_path, capsys):
+    """generate and demo with a tokenizer that has no chat template (a base model, as
+    gemma3-270m's) run their prompts as raw text to continue instead of failing."""
+    import copy
+
+    import specjax as sj
+
+    hf = copy.deepcopy(sj.load_tokenizer("smollm2-135m").hf)
+    hf.chat_template = None
+    hf.save_pretrained(str(tmp_path / "tok"))
+    tok = sj.load_tokenizer(str(tmp_path / "tok"))
+    assert tok.chat_template is None
+    target, _ = tiny_dirs
+    assert cli.main(["generate", "--model", target, "--tokenizer", str(tmp_path / "tok"),
+                     "--prompt", "Hello there", "--max-new-tokens", "4", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "no chat template" in captured.err
+    assert len(json.loads(captured.out)["tokens"][0]) <= 4
+    assert cli.main(["demo", "--model", target, "--tokenizer", str(tmp_path / "tok"),
+                     "--max-new-tokens", "4", "--rounds", "1", "--json", "-", "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompts"][0] == "The capital of France is" and out["identical"]

@@ -168,6 +168,21 @@ def load(args) -> Loaded:
     return Loaded(target, tok, draft, spec, draft_name, options, rec)
 
 
+def encode_prompts(tok, chat_texts, raw_texts, chat: bool = True) -> tuple[list, list]:
+    """(texts, token ids) of the prompts a command runs: ``chat_texts`` as user turns through the
+    tokenizer's chat template, or, when ``chat`` is off or the tokenizer has none (a base model
+    such as gemma3-270m), ``raw_texts`` as plain text with the tokenizer's special tokens
+    (Gemma's BOS)."""
+    if chat and tok.chat_template is None:
+        log("the tokenizer has no chat template (a base model): prompts run as raw text to "
+            "continue")
+        chat = False
+    if chat:
+        return list(chat_texts), [tok.apply_chat_template([{"role": "user", "content": t}])
+                                  for t in chat_texts]
+    return list(raw_texts), [tok.encode(t, add_special_tokens=True) for t in raw_texts]
+
+
 def describe(spec: SpecConfig) -> str:
     """k=4, or the tree's shape."""
     tc = spec.tree

@@ -1,5 +1,6 @@
-"""``specjax demo``: SmolLM2 + the recommended draft on three chat prompts: the answers,
-acceptance per draft position, tokens/s and the speedup of fixed-k and adaptive speculation."""
+"""``specjax demo``: SmolLM2 + the recommended draft on three chat prompts (a base model without
+a chat template, e.g. ``--model gemma3-270m``: three continuations): the answers, acceptance per
+draft position, tokens/s and the speedup of fixed-k and adaptive speculation."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ DEMO_PROMPTS = (
     "What is the capital of France?",
     "Write a short poem about the sea.",
     "Explain in two sentences why the sky is blue.",
+)
+# for a base model (its tokenizer has no chat template, e.g. gemma3-270m): continuations
+CONTINUATION_PROMPTS = (
+    "The capital of France is",
+    "The sea at night was",
+    "The sky is blue because",
 )
 MODEL_DRAFTERS = ("draft", "mtp", "eagle", "eagle3")
 
@@ -53,7 +60,7 @@ def run(args) -> int:
         raise SystemExit(f"specjax demo: --rounds must be >= 1, got {args.rounds}")
     loaded = C.load(args)
     target, tok, draft, spec = loaded.target, loaded.tok, loaded.draft, loaded.spec
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in DEMO_PROMPTS]
+    texts, prompts = C.encode_prompts(tok, DEMO_PROMPTS, CONTINUATION_PROMPTS)
     specs = {"plain": SpecConfig(attn_impl=spec.attn_impl, page_size=spec.page_size),
              "speculative": spec, "adaptive": adaptive_spec(spec, draft)}
     sample = sample_kwargs(args)
@@ -82,7 +89,7 @@ def run(args) -> int:
     same = plain.tokens == spec_out.tokens
     if args.json == "-":
         C.write_json({"answers": [tok.decode(t).strip() for t in spec_out.tokens],
-                      "prompts": list(DEMO_PROMPTS), "plain": plain.stats,
+                      "prompts": list(texts), "plain": plain.stats,
                       "speculative": spec_out.stats, "adaptive": adapt.stats, "identical": same,
                       "adaptive_identical": plain.tokens == adapt.tokens,
                       "draft": loaded.draft_name, "speedup": speedup["speculative"]["median"],
@@ -92,7 +99,7 @@ def run(args) -> int:
     def fmt(x, unit=""):
         return f"{x['median']:.2f}{unit} [{x['min']:.2f}..{x['max']:.2f}]"
 
-    for q, toks in zip(DEMO_PROMPTS, spec_out.tokens):
+    for q, toks in zip(texts, spec_out.tokens):
         print(f"\n### {q}\n{tok.decode(toks).strip()}")
     s = spec_out.stats
     print(f"\n--- speculative decoding (method {spec.method}, draft {loaded.draft_name}, "

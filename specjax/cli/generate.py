@@ -98,8 +98,7 @@ def run(args) -> int:
     if not texts:
         C.log(f"specjax generate: no prompts in {args.file}")
         return 2
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) if args.chat
-               else tok.encode(t, add_special_tokens=True) for t in texts]  # Gemma's BOS
+    _, prompts = C.encode_prompts(tok, texts, texts, chat=args.chat)
     if args.stream:
         quiet = bool(args.json)
         begin = (lambda i: None) if quiet else (
