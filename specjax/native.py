@@ -44,7 +44,7 @@ import numpy as np
 from specjax import heads, registry
 from specjax.io import gguf
 from specjax.native_build import MAX_ROWS, NB, QBLOCK, QTARGETS, TARGET, TARGETS, available  # noqa: F401
-from specjax.native_q8 import ACTIVATIONS, Q8TARGETS, q8_layout, q8_matmul
+from specjax.native_q8 import ACTIVATIONS, Q8TARGETS, integer_weights, q8_layout, q8_matmul
 
 log = logging.getLogger("specjax.native")
 
@@ -170,12 +170,12 @@ def quant_matmul(x, q, qtype: str):
 def dequantize_reference(q, qtype: str) -> np.ndarray:
     """GGUF blocks ``q`` [N, K / block * bytes] uint8 -> the float32 weight [K, N] in plain
     numpy: the integer weights and sub-block scales read from the published formats
-    (``io.gguf.integer_weights``), then ``scale * w`` (``- dmin * m`` / ``+ m``) in float32,
+    (``native_q8.integer_weights``), then ``scale * w`` (``- dmin * m`` / ``+ m``) in float32,
     gguf's operation order; the kernel's twin (it must equal ``gguf.quants.dequantize``)."""
     if qtype not in QTARGETS:
         raise ValueError(f"dequantize_reference: qtype must be one of {sorted(QTARGETS)}, "
                          f"got {qtype!r}")
-    w, scale, mins = gguf.integer_weights(np.asarray(q, np.uint8), qtype)
+    w, scale, mins = integer_weights(np.asarray(q, np.uint8), qtype)
     out = np.repeat(scale.astype(np.float32), w.shape[1] // scale.shape[1], axis=1) \
         * w.astype(np.float32)
     if mins is not None:

@@ -21,7 +21,7 @@ are.
 Pieces: ``q8_layout`` (GGUF blocks -> the kernel's row layout, numpy), ``q8_matmul`` (the custom
 call, registered by ``specjax.native.available()``), ``q8_matmul_reference`` (its plain numpy
 twin, from the published semantics: quantize the rows, exact integer sub-block dots with
-``io.gguf.integer_weights``, float scales).
+``integer_weights``, float scales).
 ``native.Q8Weight`` is the pytree ``x @ w`` dispatches on (beside ``native.QuantWeight``).
 """
 
@@ -30,8 +30,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from specjax.io import gguf
 
 # GGUF block type -> (custom-call target, symbol in the built library, bytes per block,
 # weights per block along K: 32, or 256 for the K-quant super-blocks)
@@ -80,14 +78,59 @@ def quantize_rows(x) -> tuple[np.ndarray, np.ndarray]:
     return np.rint(xb * inv[..., None]).astype(np.int8), d
 
 
+def _half(b) -> np.ndarray:  # [..., 2] uint8 little-endian halves -> [...] float64
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float64)
+
+
+def integer_weights(q, qtype: str):
+    """GGUF blocks [N, B * bytes] -> ``(w, scale, mins)`` from the published formats: integer
+    weights w [N, K] and per-sub-block float scales [N, K / S] (S = 32, 16 for Q6_K) so that the
+    weight is ``scale * w - mins`` (mins [N, K / 32] or None): gguf's dequantized value, with
+    the scale products rounded to float32 as gguf rounds them."""
+    nbytes, _ = _check(qtype, "integer_weights")
+    q = np.asarray(q, np.uint8)
+    b = q.reshape(q.shape[0], -1, nbytes)  # [N, blocks, bytes]
+    n = b.shape[0]
+    f32 = lambda a: a.astype(np.float32).astype(np.float64)  # noqa: E731
+    nib = lambda qs: np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int64)  # noqa: E731
+    if qtype == "Q8_0":
+        return b[..., 2:].view(np.int8).astype(np.int64).reshape(n, -1), _half(b[..., :2]), None
+    if qtype in ("Q4_0", "Q4_1"):
+        w = nib(b[..., {"Q4_0": 2, "Q4_1": 4}[qtype]:]) - (8 if qtype == "Q4_0" else 0)
+        mins = -_half(b[..., 2:4]) if qtype == "Q4_1" else None
+        return w.reshape(n, -1), _half(b[..., :2]), mins
+    if qtype == "Q5_0":
+        qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)  # [N, B, 1]
+        hi = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int64)  # bit j: weight j
+        return (nib(b[..., 6:]) + 16 * hi - 16).reshape(n, -1), _half(b[..., :2]), None
+    if qtype == "Q4_K":  # [d][dmin][scales 12][qs 128]; 8 sub-blocks of 32
+        d, dmin, sc = _half(b[..., 0:2]), _half(b[..., 2:4]), b[..., 4:16].astype(np.int64)
+        lo = sc[..., :4]
+        s = np.concatenate([lo & 63, (sc[..., 8:] & 15) | ((lo >> 6) << 4)], axis=-1)
+        m = np.concatenate([sc[..., 4:8] & 63, (sc[..., 8:] >> 4) | ((sc[..., 4:8] >> 6) << 4)],
+                           axis=-1)
+        qs = b[..., 16:].reshape(n, -1, 4, 32)  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
+        w = np.stack([qs & 15, qs >> 4], axis=3).astype(np.int64)  # [N, S, 4, 2, 32]
+        return (w.reshape(n, -1), f32(d[..., None] * s).reshape(n, -1),
+                f32(dmin[..., None] * m).reshape(n, -1))
+    # Q6_K: [ql 128][qh 64][scales 16 int8][d]; 16 sub-blocks of 16
+    ql = b[..., :128].reshape(n, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    qh = b[..., 128:192].reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    w = ((ql & 15).reshape(n, -1, 2, 128).astype(np.int64)
+         | ((qh & 3).reshape(n, -1, 2, 128).astype(np.int64) << 4)) - 32
+    sc = b[..., 192:208].view(np.int8).astype(np.float32)  # [N, S, 16]
+    d = b[..., 208:210].copy().view(np.float16).astype(np.float32)  # [N, S, 1]
+    return w.reshape(n, -1), (d * sc).astype(np.float64).reshape(n, -1), None
+
+
 def q8_matmul_reference(x, q, qtype: str) -> np.ndarray:
     """The plain numpy twin of ``q8_matmul`` from GGUF blocks ``q`` [N, B * bytes]: quantize the
     rows (``quantize_rows``), exact integer dots of each sub-block with the integer weights
-    (``io.gguf.integer_weights``), scaled by ``scale * dx`` (minus ``mins * dx * sum(q)`` for Q4_1 /
+    (``integer_weights``), scaled by ``scale * dx`` (minus ``mins * dx * sum(q)`` for Q4_1 /
     Q4_K) and summed in float64 (the kernel's float32 sums agree to ~1e-6 relative)."""
     xq, dx = quantize_rows(x)  # [M, B, 32], [M, B]
     _check(qtype, "q8_matmul_reference")
-    w, scale, mins = gguf.integer_weights(q, qtype)  # [N, K], [N, K / S], [N, B] | None
+    w, scale, mins = integer_weights(q, qtype)  # [N, K], [N, K / S], [N, B] | None
     m, k = xq.shape[0], xq.shape[1] * 32
     sub = k // scale.shape[1]
     isum = np.einsum("msj,nsj->mns", xq.reshape(m, -1, sub).astype(np.int64),

@@ -2,7 +2,7 @@
 
 The kernel equals its numpy twin (``q8_matmul_reference``: exact integer block dots, float
 scales) to float32 rounding on awkward shapes, for every block type (the 256-weight K-quant
-super-blocks too); the twin's weights are ``io.gguf.integer_weights``, which reproduce gguf's
+super-blocks too); the twin's weights are ``native_q8.integer_weights``, which reproduce gguf's
 dequantization bit for bit (tests/test_quant.py ``test_reference_twin_equals_gguf``), and its
 input quantization is gguf's Q8_0 (an independent implementation of the format); a row's result does not depend on the other
 rows; the layout keeps the file's bytes; on the real model, speculative decoding reproduces
