@@ -175,7 +175,7 @@ def dequantize_reference(q, qtype: str) -> np.ndarray:
     if qtype not in QTARGETS:
         raise ValueError(f"dequantize_reference: qtype must be one of {sorted(QTARGETS)}, "
                          f"got {qtype!r}")
-    w, scale, mins = integer_weights(np.asarray(q, np.uint8), qtype)
+    w, scale, mins = integer_weights(q, qtype)
     out = np.repeat(scale.astype(np.float32), w.shape[1] // scale.shape[1], axis=1) \
         * w.astype(np.float32)
     if mins is not None:

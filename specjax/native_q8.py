@@ -96,13 +96,13 @@ def integer_weights(q, qtype: str):
     if qtype == "Q8_0":
         return b[..., 2:].view(np.int8).astype(np.int64).reshape(n, -1), _half(b[..., :2]), None
     if qtype in ("Q4_0", "Q4_1"):
-        w = nib(b[..., {"Q4_0": 2, "Q4_1": 4}[qtype]:]) - (8 if qtype == "Q4_0" else 0)
+        w = nib(b[..., _HEAD[qtype]:]) - (8 if qtype == "Q4_0" else 0)
         mins = -_half(b[..., 2:4]) if qtype == "Q4_1" else None
         return w.reshape(n, -1), _half(b[..., :2]), mins
     if qtype == "Q5_0":
         qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)  # [N, B, 1]
         hi = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int64)  # bit j: weight j
-        return (nib(b[..., 6:]) + 16 * hi - 16).reshape(n, -1), _half(b[..., :2]), None
+        return (nib(b[..., _HEAD[qtype]:]) + 16 * hi - 16).reshape(n, -1), _half(b[..., :2]), None
     if qtype == "Q4_K":  # [d][dmin][scales 12][qs 128]; 8 sub-blocks of 32
         d, dmin, sc = _half(b[..., 0:2]), _half(b[..., 2:4]), b[..., 4:16].astype(np.int64)
         lo = sc[..., :4]
@@ -129,7 +129,6 @@ def q8_matmul_reference(x, q, qtype: str) -> np.ndarray:
     (``integer_weights``), scaled by ``scale * dx`` (minus ``mins * dx * sum(q)`` for Q4_1 /
     Q4_K) and summed in float64 (the kernel's float32 sums agree to ~1e-6 relative)."""
     xq, dx = quantize_rows(x)  # [M, B, 32], [M, B]
-    _check(qtype, "q8_matmul_reference")
     w, scale, mins = integer_weights(q, qtype)  # [N, K], [N, K / S], [N, B] | None
     m, k = xq.shape[0], xq.shape[1] * 32
     sub = k // scale.shape[1]
@@ -145,7 +144,8 @@ def q8_matmul_reference(x, q, qtype: str) -> np.ndarray:
 
 def q8_matmul(x, q8, qtype: str):
     """x [M, K] float32 @ W -> [M, N] float32 with 8-bit activations, W given as ``q8_layout``
-    rows [N, K / 32 * bytes] (the native kernel must be available: ``native.available()``)."""
+    rows [N, K / per * bytes] (per = 32, or 256 for the K-quants; the native kernel must be
+    available: ``native.available()``)."""
     nbytes, per = _check(qtype, "q8_matmul")
     if x.ndim != 2 or q8.ndim != 2 or x.shape[1] % per or q8.shape[1] != x.shape[1] // per * nbytes:
         raise ValueError(f"q8_matmul: x must be [M, K] (K % {per} == 0) and q8 "

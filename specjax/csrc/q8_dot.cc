@@ -249,6 +249,9 @@ inline void OutputsK(const uint8_t* __restrict wq, const XRow* xr, float* __rest
       _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7)};
   const __m512i dx16 = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i by4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i k6[4] = {by4, _mm512_add_epi32(by4, _mm512_set1_epi32(4)),  // Q6_K register t:
+                         _mm512_add_epi32(by4, _mm512_set1_epi32(8)),       // sub-blocks 4 t ..
+                         _mm512_add_epi32(by4, _mm512_set1_epi32(12))};
   const __m512i sh_lo = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);  // Q6_K: qh bit pairs
   const __m512i sh_hi = _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6);
   __m512 acc[NR][M];
@@ -301,11 +304,10 @@ inline void OutputsK(const uint8_t* __restrict wq, const XRow* xr, float* __rest
           const int32_t* c = xr[m].corr + s * 64;
           const __m512 p = _mm512_mul_ps(sc, _mm512_permutexvar_ps(
               dx16, _mm512_castps256_ps512(_mm256_loadu_ps(xr[m].dx + 8 * s))));
-          for (int t = 0; t < 4; ++t) {  // register t: weights 64 t .. 64 t + 63, sub-blocks 4 t ..
+          for (int t = 0; t < 4; ++t) {  // register t: weights 64 t .. 64 t + 63
             const __m512i i = _mm512_dpbusd_epi32(_mm512_loadu_si512(c + 16 * t), w[t],
                                                   _mm512_loadu_si512(xq + 64 * t));
-            const __m512i idx = _mm512_add_epi32(by4, _mm512_set1_epi32(4 * t));
-            acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_permutexvar_ps(idx, p),
+            acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_permutexvar_ps(k6[t], p),
                                         acc[r][m]);
           }
         }
